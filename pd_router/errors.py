@@ -1,0 +1,101 @@
+"""The router's error kinds and their OpenAI-shaped bodies.
+
+Every failure a client can see is one of these. Raising one anywhere in the request path
+is the single way to end a request with an error; the response layer turns it into a JSON
+body before the headers went out, or into one SSE error event after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class RouterError(Exception):
+    """A failure with an HTTP status and an OpenAI error body."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+    # How the request ended, for metrics and logs; None: decided by where it failed.
+    outcome: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+    outcome = "bad_request"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class Busy(RouterError):
+    """No decode slot free and no queueing configured (fail fast)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "decode_nodes_busy"
+    outcome = "rejected_busy"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        # A slot frees when some stream ends; a second is a sane, cheap retry interval.
+        return {"Retry-After": "1"}
+
+
+class QueueTimeout(Busy):
+    """Queued for ``--queue-timeout`` seconds and no slot came free."""
+
+    outcome = "rejected_timeout"
+
+
+class UpstreamError(RouterError):
+    """An engine failed or answered with an error; its status is passed on when it has one."""
+
+    type = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def upstream_message(status: int, raw: bytes) -> str:
+    """The engine's own error message when it sent an OpenAI/vLLM error body, else a summary."""
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])
+    text = raw[:200].decode("utf-8", "replace").strip()
+    return f"HTTP {status}" + (f": {text}" if text else "")

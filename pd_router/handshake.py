@@ -1,0 +1,77 @@
+"""vLLM's P/D dialect (NixlConnector pull): what prefill and decode are sent, and usage.
+
+The prefill engine computes the prompt's KV and keeps it pinned for the decode engine to
+pull; its answer carries ``kv_transfer_params`` naming where the blocks are. The decode
+engine gets the client's request unchanged plus exactly that object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import UpstreamError
+
+# What vLLM's NixlConnector expects on the prefill side: "keep the KV for a remote decode".
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Fields that make sense only for the decode phase and would change what prefill computes.
+_DECODE_ONLY = ("stream_options", "min_tokens")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as a one-token, non-streaming prefill."""
+    out = {key: value for key, value in body.items() if key not in _DECODE_ONLY}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def drain_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A decode request whose only job is to make the engine pull (and so free) the KV.
+
+    Sent when the client left between prefill and decode: one token, not streamed, so it
+    ends as soon as the blocks were pulled.
+    """
+    out = prefill_body(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+class Prefilled:
+    """What the router keeps from a prefill answer."""
+
+    __slots__ = ("kv_transfer_params", "prompt_details")
+
+    def __init__(self, answer: Any) -> None:
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise UpstreamError(
+                "prefill engine returned no kv_transfer_params "
+                "(is it running with a kv_producer --kv-transfer-config?)"
+            )
+        self.kv_transfer_params: dict[str, Any] = params
+        usage = answer.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        # The decode engine reports the whole transferred prompt as cached; what was
+        # really served from cache is what the prefill engine saw.
+        self.prompt_details: dict[str, Any] | None = details if isinstance(details, dict) else None
+
+    def fix_usage(self, usage: dict[str, Any]) -> None:
+        if self.prompt_details is None:
+            usage.pop("prompt_tokens_details", None)
+        else:
+            usage["prompt_tokens_details"] = self.prompt_details

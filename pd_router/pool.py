@@ -1,0 +1,158 @@
+"""The decode pool: slots per decode node, a FIFO of waiters, reserve and release.
+
+A decode node holds one sequence per slot for as long as the response streams, so the
+router reserves a slot before prefill and keeps it until the request ends.
+
+Concurrency contract (the pool does no I/O and runs on one event loop, asyncio or trio):
+
+* Every state change is synchronous: no ``await`` sits between reading and writing the
+  counters, so the event loop itself guards them and no lock is needed. ``release`` in
+  particular never awaits, so it is safe in a ``finally`` that runs inside a cancelled
+  scope (an ``async with lock`` there would raise before taking the lock and leak).
+* ``acquire`` is atomic under cancellation. A free slot is taken without a checkpoint. A
+  waiter is handed its slot directly by ``release`` (the slot never becomes free in
+  between, so a newcomer cannot overtake: first come, first served). If the waiter is
+  cancelled or times out, it leaves the queue at once; if a slot had already been handed
+  to it, it passes the slot on to the next waiter before the cancellation propagates. So
+  ``acquire`` either returns a reservation or raises having taken nothing, and no wake-up
+  is lost.
+* ``reserve`` puts the reservation inside the ``try`` that releases it, with no
+  checkpoint in between (a cancellation is delivered only at a checkpoint: an ``await``
+  between taking and guarding the slot is where the reference change leaked).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+
+from .errors import Busy, QueueTimeout
+from .nodes import Node
+
+
+class Reservation:
+    """One slot on one node. Released exactly once, however often ``release`` is called."""
+
+    __slots__ = ("node", "waited", "_pool")
+
+    def __init__(self, pool: DecodePool, node: Node, waited: float) -> None:
+        self.node = node
+        self.waited = waited
+        self._pool: DecodePool | None = pool
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._give_back(self.node)
+
+
+class _Waiter:
+    __slots__ = ("event", "node")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.node: Node | None = None
+
+
+class DecodePool:
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        if not nodes:
+            raise ValueError("the decode pool needs at least one node")
+        self.nodes = list(nodes)
+        self._waiters: deque[_Waiter] = deque()
+        self._next = 0
+        self.acquired = 0
+        self.released = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def in_use(self) -> int:
+        return sum(node.in_use for node in self.nodes)
+
+    @property
+    def capacity(self) -> int:
+        return sum(node.slots for node in self.nodes)
+
+    def try_acquire(self) -> Reservation | None:
+        """A slot now, or None. Never overtakes a waiter."""
+        if self._waiters:
+            return None
+        node = self._pick()
+        if node is None:
+            return None
+        node.in_use += 1
+        self.acquired += 1
+        return Reservation(self, node, 0.0)
+
+    async def acquire(self, timeout: float) -> Reservation:
+        """A slot, waiting up to ``timeout`` seconds for one (0: fail fast).
+
+        Raises ``Busy`` when none came in time. See the module docstring for what a
+        cancellation does.
+        """
+        reservation = self.try_acquire()
+        if reservation is not None:
+            return reservation
+        if timeout <= 0:
+            raise Busy("all decode nodes busy")
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        started = anyio.current_time()
+        try:
+            with anyio.move_on_after(timeout):
+                await waiter.event.wait()
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        waited = anyio.current_time() - started
+        if waiter.node is None:
+            # Timed out; a hand-off that raced with the deadline is kept, not wasted.
+            self._waiters.remove(waiter)
+            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+        self.acquired += 1
+        return Reservation(self, waiter.node, waited)
+
+    @asynccontextmanager
+    async def reserve(self, timeout: float) -> AsyncIterator[Reservation]:
+        reservation = await self.acquire(timeout)
+        try:
+            yield reservation
+        finally:
+            reservation.release()
+
+    def _pick(self) -> Node | None:
+        """The node with the most free slots; ties go round robin so load spreads evenly."""
+        best: Node | None = None
+        count = len(self.nodes)
+        for offset in range(count):
+            node = self.nodes[(self._next + offset) % count]
+            if node.free > 0 and (best is None or node.free > best.free):
+                best = node
+        if best is not None:
+            self._next = (self.nodes.index(best) + 1) % count
+        return best
+
+    def _give_back(self, node: Node) -> None:
+        self.released += 1
+        self._hand_over(node)
+
+    def _hand_over(self, node: Node) -> None:
+        """A slot on ``node`` is done with: to the first waiter, else back to the node."""
+        if self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.node = node
+            waiter.event.set()
+        else:
+            node.in_use -= 1
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter.node is None:
+            self._waiters.remove(waiter)
+        else:
+            self._hand_over(waiter.node)

@@ -1,0 +1,74 @@
+"""The client side of one exchange: what has been sent, and how to end it from any state.
+
+An error before the headers went out is a JSON body with its status; after, it is one SSE
+error event then ``[DONE]``. Either way the client gets exactly one terminal outcome.
+"""
+
+from __future__ import annotations
+
+from starlette.types import Send
+
+from .errors import RouterError
+from .sse import error_event
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def json_headers(length: int, extra: dict[str, str] | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(length).encode()),
+    ]
+    headers.extend((k.lower().encode(), v.encode()) for k, v in (extra or {}).items())
+    return headers
+
+
+class ClientStream:
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._id_header = (b"x-request-id", request_id.encode())
+        self.started = False
+        self.finished = False
+        self.bytes_sent = 0
+
+    async def respond(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """A whole response at once (JSON answers and errors before streaming)."""
+        self.started = True
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*json_headers(len(body), headers), self._id_header],
+            }
+        )
+        await self._end(body)
+
+    async def start_events(self) -> None:
+        self.started = True
+        await self._send(
+            {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, self._id_header]}
+        )
+
+    async def write(self, data: bytes) -> None:
+        self.bytes_sent += len(data)
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_events(self) -> None:
+        await self._end(b"")
+
+    async def fail(self, error: RouterError) -> None:
+        if self.finished:
+            return
+        if not self.started:
+            await self.respond(error.status, error.json(), error.headers)
+        else:
+            await self._end(error_event(error.body()))
+
+    async def _end(self, body: bytes) -> None:
+        self.finished = True
+        self.bytes_sent += len(body)
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})

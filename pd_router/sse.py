@@ -1,0 +1,73 @@
+"""Server-sent events passed through from the decode engine, with no I/O.
+
+Bytes are forwarded as received, cut only at event boundaries so that a client never sees
+half an event from us and we can end the stream cleanly if the engine dies. Only the one
+event that carries prompt usage is parsed and rewritten; every other byte goes through
+untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+_BOUNDARY = b"\n\n"
+_USAGE_MARK = b'"prompt_tokens"'
+# An engine that never ends an event must not grow our memory without bound.
+MAX_EVENT_BYTES = 1 << 20
+
+UsageFix = Callable[[dict[str, Any]], None]
+
+
+def error_event(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + _BOUNDARY + DONE
+
+
+def patch_usage(payload: bytes, fix: UsageFix) -> bytes:
+    """``payload`` (a JSON document) with ``fix`` applied to its usage, if it has one."""
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return payload
+    usage = document.get("usage") if isinstance(document, dict) else None
+    if not isinstance(usage, dict):
+        return payload
+    fix(usage)
+    return orjson.dumps(document)
+
+
+class EventRelay:
+    """Feeds on upstream bytes, returns what to send downstream now."""
+
+    def __init__(self, fix: UsageFix) -> None:
+        self._fix = fix
+        self._pending = b""
+        self.done = False
+        self.events = 0
+
+    def feed(self, data: bytes) -> bytes:
+        buffered = self._pending + data if self._pending else data
+        cut = buffered.rfind(_BOUNDARY)
+        if cut < 0:
+            if len(buffered) > MAX_EVENT_BYTES:
+                raise ValueError(f"an upstream event exceeded {MAX_EVENT_BYTES} bytes")
+            self._pending = buffered
+            return b""
+        cut += len(_BOUNDARY)
+        ready, self._pending = buffered[:cut], buffered[cut:]
+        self.events += ready.count(_BOUNDARY)
+        if ready.find(DONE) >= 0:
+            self.done = True
+        if ready.find(_USAGE_MARK) >= 0:
+            ready = self._patch(ready)
+        return ready
+
+    def _patch(self, ready: bytes) -> bytes:
+        events = ready.split(_BOUNDARY)
+        for index, event in enumerate(events):
+            if event.startswith(b"data: ") and event.find(_USAGE_MARK) >= 0:
+                events[index] = b"data: " + patch_usage(event[6:], self._fix)
+        return _BOUNDARY.join(events)

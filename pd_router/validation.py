@@ -1,0 +1,93 @@
+"""Client request bodies: parsed and checked before any slot or engine is involved.
+
+Only what the router itself relies on is checked; everything else is the engine's to
+judge (and its 4xx is passed on). A bad request must never cost someone else a slot.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any, Literal
+
+import orjson
+
+from .errors import BadRequest
+
+Endpoint = Literal["completions", "chat"]
+
+PATHS: dict[Endpoint, str] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+
+_SANE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+
+def request_id(header: str | None) -> str:
+    """The client's id when it is safe to log and forward, else a fresh one."""
+    if header is not None and _SANE_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    _check_model(body)
+    if endpoint == "completions":
+        _check_prompt(body.get("prompt"))
+    else:
+        _check_messages(body.get("messages"))
+    _check_optional(body, "stream", bool, "a boolean")
+    _check_optional(body, "stream_options", dict, "an object")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+    # Never let a client steer a decode engine to an arbitrary host.
+    body.pop("kv_transfer_params", None)
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+
+
+def _check_optional(body: dict[str, Any], key: str, kind: type, what: str) -> None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, kind) or (kind is not bool and _is_int(value))):
+        raise BadRequest(f"'{key}' must be {what}", param=key)
+
+
+def _check_prompt(prompt: Any) -> None:
+    message = "'prompt' is required: a string, a list of strings, or token ids"
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest(message, param="prompt")
+    if all(isinstance(item, str) for item in prompt) or all(_is_int(item) for item in prompt):
+        return
+    if all(isinstance(item, list) and item and all(_is_int(t) for t in item) for item in prompt):
+        return
+    raise BadRequest(message, param="prompt")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required: a non-empty list", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(
+                f"'messages[{index}]' must be an object with a string 'role'", param="messages"
+            )
