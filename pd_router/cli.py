@@ -1,4 +1,7 @@
-"""``pd-router``: flags, logging, uvicorn. ``pd-router demo``: the same in front of simulated engines."""
+"""``pd-router``: flags, logging, uvicorn.
+
+``pd-router demo`` runs the same router in front of simulated engines (see ``demo.py``).
+"""
 
 from __future__ import annotations
 
@@ -33,42 +36,72 @@ def _positive(text: str) -> int:
 def add_router_flags(parser: argparse.ArgumentParser, *, engines: bool = True) -> None:
     if engines:
         parser.add_argument(
-            "--prefill", action="extend", nargs="+", required=True, metavar="URL",
+            "--prefill",
+            action="extend",
+            nargs="+",
+            required=True,
+            metavar="URL",
             help="prefill engine base URL (repeat or list several)",
         )
         parser.add_argument(
-            "--decode", action="extend", nargs="+", required=True, metavar="URL[,slots=N]",
+            "--decode",
+            action="extend",
+            nargs="+",
+            required=True,
+            metavar="URL[,slots=N]",
             help="decode engine base URL, optionally with its own slot count",
         )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
-        "--decode-slots", type=_positive, default=1, metavar="N",
+        "--decode-slots",
+        type=_positive,
+        default=1,
+        metavar="N",
         help="sequences each decode node serves at once, unless the node says otherwise",
     )
     parser.add_argument(
-        "--queue-timeout", type=_seconds, default=0.0, metavar="SECONDS",
+        "--queue-timeout",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
         help="wait up to this long for a free decode slot; 0 fails fast with 429",
     )
     parser.add_argument(
-        "--connect-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+        "--connect-timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
         help="give up connecting to an engine after this long",
     )
     parser.add_argument(
-        "--read-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+        "--read-timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
         help="give up on an engine that sends nothing for this long",
     )
     parser.add_argument(
-        "--handoff-grace", type=_seconds, default=5.0, metavar="SECONDS",
+        "--handoff-grace",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
         help="after a client left between prefill and decode, how long the decode engine "
         "gets to take the KV before the router drops the request",
     )
     parser.add_argument(
-        "--max-body-bytes", type=_positive, default=MAX_BODY_BYTES, metavar="BYTES",
+        "--max-body-bytes",
+        type=_positive,
+        default=MAX_BODY_BYTES,
+        metavar="BYTES",
         help="largest request body accepted (413 above)",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log every HTTP request (uvicorn)"
+    )
 
 
 def build_router(args: argparse.Namespace) -> Router:

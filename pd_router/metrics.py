@@ -44,7 +44,9 @@ class RouterCollector(Collector):
             "pd_router_decode_slots", "Slots per decode node.", labels=["node", "url"]
         )
         in_use = GaugeMetricFamily(
-            "pd_router_decode_slots_in_use", "Reserved slots per decode node.", labels=["node", "url"]
+            "pd_router_decode_slots_in_use",
+            "Reserved slots per decode node.",
+            labels=["node", "url"],
         )
         for node in pool.nodes:
             labels = [str(node.id), node.url]

@@ -166,14 +166,15 @@ class Relay:
         with anyio.CancelScope(shield=True) as handoff:
             self._handoff = handoff
             try:
-                if self.client_gone:
+                drain = self.client_gone
+                if drain:
                     handoff.deadline = anyio.current_time() + self.router.settings.handoff_grace
                     body = handshake.drain_body(self.body, params)
                 else:
                     body = handshake.decode_body(self.body, params)
                 post = self.router.upstream.post(url, body, self.request_id)
                 answer = await upstream.enter_async_context(post)
-                if self.client_gone and answer.status == 200:
+                if drain and answer.status == 200:
                     # Read the drain's one token: by then the KV has been pulled.
                     await answer.read()
                 return answer

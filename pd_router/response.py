@@ -35,7 +35,9 @@ class ClientStream:
         self.finished = False
         self.bytes_sent = 0
 
-    async def respond(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    async def respond(
+        self, status: int, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
         """A whole response at once (JSON answers and errors before streaming)."""
         self.started = True
         await self._send(
@@ -50,7 +52,11 @@ class ClientStream:
     async def start_events(self) -> None:
         self.started = True
         await self._send(
-            {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, self._id_header]}
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*SSE_HEADERS, self._id_header],
+            }
         )
 
     async def write(self, data: bytes) -> None:

@@ -87,7 +87,10 @@ def test_event_relay_passes_bytes_through_at_event_boundaries() -> None:
 def test_event_relay_rewrites_only_the_usage_event() -> None:
     relay = EventRelay(fix)
     token = b'data: {"choices":[{"text":" a"}]}\n\n'
-    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}}\n\n'
+    usage = (
+        b'data: {"choices":[],"usage":{"prompt_tokens":5,'
+        b'"prompt_tokens_details":{"cached_tokens":5}}}\n\n'
+    )
     out = relay.feed(token + usage + DONE)
     assert out.startswith(token) and out.endswith(DONE)
     patched = orjson.loads(out[len(token) + 6 : -len(DONE) - 2])

@@ -1,0 +1,103 @@
+"""Real servers for the end-to-end tests: the router as its CLI runs it, raw clients, polling."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_router.sim.fleet import EngineProcess
+
+
+class RouterProcess(EngineProcess):
+    """``python -m pd_router`` on 127.0.0.1, stopped by its own PID."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *args: str) -> None:
+        super().__init__("prefill", ["--prefill", *prefill, "--decode", *decode, *args])
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "pd_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:  # nosec B310
+            text = response.read().decode()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def in_use(self) -> float:
+        return sum(
+            v for k, v in self.metrics().items() if k.startswith("pd_router_decode_slots_in_use")
+        )
+
+    def assert_idle(self) -> None:
+        """No slot held, nobody queued, and every reservation released exactly once."""
+        wait_for(lambda: self.in_use() == 0, what="all decode slots free")
+        metrics = self.metrics()
+        assert metrics["pd_router_queue_depth"] == 0
+        assert (
+            metrics["pd_router_slot_acquisitions_total"] == metrics["pd_router_slot_releases_total"]
+        )
+
+
+def wait_for(check: Callable[[], bool], *, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class RawClient:
+    """An HTTP/1.1 client that can hang up at any byte: what a vanishing user looks like."""
+
+    def __init__(
+        self, url: str, path: str, body: dict[str, Any], headers: Sequence[str] = ()
+    ) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        payload = json.dumps(body).encode()
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+            *headers,
+        ]
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        self.received = b""
+
+    def read_until(self, marker: bytes, timeout: float = 10.0, count: int = 1) -> bytes:
+        """What arrived by the time ``marker`` was seen ``count`` times (or the end)."""
+        self.sock.settimeout(timeout)
+        while self.received.count(marker) < count:
+            data = self.sock.recv(65536)
+            if not data:
+                break
+            self.received += data
+        return self.received
+
+    def read_all(self, timeout: float = 10.0) -> bytes:
+        """Up to the end of a chunked response (or the connection's end)."""
+        return self.read_until(b"\r\n0\r\n\r\n", timeout)
+
+    def hang_up(self) -> None:
+        self.sock.close()

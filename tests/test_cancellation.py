@@ -1,0 +1,144 @@
+"""The cancellation matrix on the real app: a client hangs up at every stage of a request.
+
+Each case checks the three things that matter in production: the decode slot is free
+again (released exactly once: acquisitions == releases), the engine working on the
+request saw the abort (or, between prefill and decode, the KV blocks were pulled and so
+freed instead of staying pinned until the lease), and the router keeps serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pd_router.sim.fleet import EngineProcess, SimFleet
+from tests.helpers import RawClient, RouterProcess, wait_for
+
+BODY = {"model": "sim-model", "prompt": "cancel me please now", "max_tokens": 50, "stream": True}
+LEASE = "60"  # long enough that "freed" can only mean "pulled"
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=1, prefill_args=["--kv-lease", LEASE]) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def router(fleet: SimFleet) -> Iterator[RouterProcess]:
+    with RouterProcess(
+        [fleet.prefill[0].url], [fleet.decode[0].url], "--queue-timeout", "30"
+    ) as router:
+        yield router
+
+
+@pytest.fixture
+def engines(
+    fleet: SimFleet, router: RouterProcess
+) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    prefill.configure(prefill_delay=0, fail_status=None)
+    decode.configure(accept_delay=0, ttft=0, itl=0.02, fail_status=None, fail_after_tokens=None)
+    prefill.reset()
+    decode.reset()
+    yield prefill, decode
+    router.assert_idle()
+    # The router still serves after whatever the test did.
+    after = RawClient(router.url, "/v1/completions", {**BODY, "max_tokens": 2})
+    assert after.read_all().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    router.assert_idle()
+
+
+def test_client_leaves_while_queued(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    holder = RawClient(router.url, "/v1/completions", BODY)
+    holder.read_until(b"data: ")
+    queued = RawClient(router.url, "/v1/completions", BODY)
+    wait_for(lambda: router.metrics()["pd_router_queue_depth"] == 1, what="a queued request")
+    queued.hang_up()
+    wait_for(lambda: router.metrics()["pd_router_queue_depth"] == 0, what="the waiter to leave")
+    assert router.in_use() == 1, "the holder keeps its slot; the leaver took none"
+    assert holder.read_all().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert prefill.stats()["requests"] == 1, "the queued request never reached an engine"
+
+
+def test_client_leaves_during_prefill(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    prefill.configure(prefill_delay=5)
+    client = RawClient(router.url, "/v1/completions", BODY)
+    wait_for(lambda: prefill.stats()["active"] == 1, what="prefill to start")
+    assert router.in_use() == 1, "the decode slot is reserved before prefill"
+    client.hang_up()
+    wait_for(lambda: prefill.stats()["aborted"] == 1, timeout=2, what="the prefill abort")
+    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot, at once")
+    assert prefill.stats()["blocks_pinned"] == 0
+    assert decode.stats()["requests"] == 0
+
+
+def test_client_leaves_between_prefill_and_decode(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    """The prefill engine holds the KV; the router still hands it over so it gets freed."""
+    prefill, decode = engines
+    decode.configure(accept_delay=1.5)
+    client = RawClient(router.url, "/v1/completions", BODY)
+    wait_for(lambda: prefill.stats()["blocks_pinned"] > 0, what="prefill to finish")
+    wait_for(lambda: decode.stats()["active"] == 1, what="the decode request to arrive")
+    client.hang_up()
+    wait_for(lambda: prefill.stats()["blocks_pinned"] == 0, timeout=5, what="the KV to be pulled")
+    assert prefill.stats()["transfers"] == 1 and prefill.stats()["blocks_expired"] == 0
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=5, what="the decode abort")
+    assert decode.stats()["completed"] == 0
+
+
+def test_client_leaves_before_the_first_chunk(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    decode.configure(ttft=5)
+    client = RawClient(router.url, "/v1/completions", BODY)
+    wait_for(lambda: decode.stats()["transfers"] == 1, what="decode to pull the KV")
+    client.read_until(b"\r\n\r\n")  # the headers, and nothing else yet
+    client.hang_up()
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=2, what="the decode abort, at once")
+    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot, at once")
+
+
+def test_client_leaves_mid_stream(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    client = RawClient(router.url, "/v1/completions", BODY)
+    client.read_until(b'"text"', count=3)
+    client.hang_up()
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=2, what="the decode abort")
+    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot")
+    assert decode.stats()["completed"] == 0
+
+
+def test_client_leaves_after_the_end(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    client = RawClient(router.url, "/v1/completions", {**BODY, "max_tokens": 5})
+    assert client.read_all().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    client.hang_up()
+    wait_for(lambda: decode.stats()["completed"] == 1, what="decode to complete")
+    assert decode.stats()["aborted"] == 0
+
+
+def test_non_streaming_client_leaves_during_decode(
+    router: RouterProcess, engines: tuple[EngineProcess, ...]
+) -> None:
+    prefill, decode = engines
+    decode.configure(itl=0.2)
+    client = RawClient(router.url, "/v1/completions", {**BODY, "stream": False})
+    wait_for(lambda: decode.stats()["transfers"] == 1, what="decode to start")
+    client.hang_up()
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=8, what="the decode abort")
+    assert decode.stats()["completed"] == 0
