@@ -101,7 +101,9 @@ class Relay:
                     await client.fail(RouterError("internal router error"))
                 tg.cancel_scope.cancel()
         finally:
-            if self.client_gone and self.outcome != "ok":
+            # uvicorn also reports a disconnect once a response is complete: only a client
+            # that left before its answer was finished abandoned the request.
+            if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
             self.router.count(self.endpoint, self.outcome)
 

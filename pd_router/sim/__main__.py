@@ -1,0 +1,130 @@
+"""Command line: ``python -m pd_router.sim {prefill,decode} --host H --port P [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+from collections.abc import Sequence
+
+import uvicorn
+
+from pd_router.sim.asgi import CrashLogFilter
+from pd_router.sim.config import EngineSettings, Role, SimConfig
+from pd_router.sim.engine import Engine
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine-id", help="default: sim-<role>-<port>")
+    parser.add_argument("--model", default="sim-model")
+    parser.add_argument("--max-model-len", type=_positive, default=4096)
+    parser.add_argument("--prefill-delay", type=_non_negative, default=0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pd_router.sim",
+        description="A simulated vLLM engine speaking the NixlConnector P/D protocol.",
+    )
+    roles = parser.add_subparsers(dest="role", required=True)
+
+    prefill = roles.add_parser("prefill", help="kv_producer: computes prompts, pins KV")
+    _common(prefill)
+    prefill.add_argument("--kv-lease", type=_non_negative, default=30.0)
+    prefill.add_argument("--block-size", type=_positive, default=16)
+
+    decode = roles.add_parser("decode", help="kv_consumer: pulls KV, generates tokens")
+    _common(decode)
+    decode.add_argument("--accept-delay", type=_non_negative, default=0.0)
+    decode.add_argument("--ttft", type=_non_negative, default=0.0)
+    decode.add_argument("--itl", type=_non_negative, default=0.0)
+    decode.add_argument("--default-max-tokens", type=_positive, default=16)
+    decode.add_argument("--slots", type=_positive, default=64)
+    decode.add_argument(
+        "--standalone",
+        action="store_true",
+        help="also serve requests without kv_transfer_params, like a plain engine",
+    )
+    return parser
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    # Each role imports only its own module: aiohttp, which only decode needs, is the
+    # slowest import here and start-up time is what a test fleet waits for.
+    role: Role = args.role
+    config = SimConfig(prefill_delay=args.prefill_delay)
+    if role == "prefill":
+        from pd_router.sim.prefill import PrefillEngine
+
+        settings = EngineSettings(
+            role=role,
+            host=args.host,
+            port=args.port,
+            engine_id=args.engine_id or f"sim-prefill-{args.port}",
+            model=args.model,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            kv_lease=args.kv_lease,
+        )
+        return PrefillEngine(settings, config)
+    from pd_router.sim.decode import DecodeEngine
+
+    config.accept_delay = args.accept_delay
+    config.ttft = args.ttft
+    config.itl = args.itl
+    config.default_max_tokens = args.default_max_tokens
+    settings = EngineSettings(
+        role=role,
+        host=args.host,
+        port=args.port,
+        engine_id=args.engine_id or f"sim-decode-{args.port}",
+        model=args.model,
+        max_model_len=args.max_model_len,
+        slots=args.slots,
+        standalone=args.standalone,
+    )
+    return DecodeEngine(settings, config)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    config = uvicorn.Config(
+        build_engine(args),
+        host=args.host,
+        port=args.port,
+        loop=loop,
+        http=http,
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        # The router and the load tests hold many idle keep-alive connections.
+        backlog=4096,
+        timeout_keep_alive=30,
+        # Stop promptly on SIGTERM even with streams still open.
+        timeout_graceful_shutdown=1,
+    )
+    # uvicorn.Config has just configured logging; filters added now stay in place.
+    logging.getLogger("uvicorn.error").addFilter(CrashLogFilter())
+    uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    main()

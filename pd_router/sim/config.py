@@ -1,0 +1,89 @@
+"""Engine settings (fixed at start) and runtime knobs (changed by POST /sim/config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pd_router.sim.asgi import ApiError
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    role: Role
+    host: str
+    port: int
+    engine_id: str
+    model: str = "sim-model"
+    block_size: int = 16
+    max_model_len: int = 4096
+    kv_lease: float = 30.0
+    slots: int = 64
+    standalone: bool = False
+
+
+@dataclass
+class SimConfig:
+    """Knobs a test may turn while the engine runs; both roles accept every key.
+
+    ``fail_after_tokens``: decode cuts the connection after that many token events, without
+    ``[DONE]`` (non-streaming: after generating that many tokens, mid-body); prefill cuts
+    its response body whenever it is set, and pins nothing.
+    ``fail_status``: answer every generation request with this status and an OpenAI error.
+    """
+
+    prefill_delay: float = 0.0
+    accept_delay: float = 0.0
+    ttft: float = 0.0
+    itl: float = 0.0
+    default_max_tokens: int = 16
+    fail_after_tokens: int | None = None
+    fail_status: int | None = None
+    fail_message: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply every change or none of them; raises ApiError naming the bad key."""
+        validated = {key: _validate(key, value) for key, value in changes.items()}
+        for key, value in validated.items():
+            setattr(self, key, value)
+
+
+_DELAYS = ("prefill_delay", "accept_delay", "ttft", "itl")
+
+
+def _count(value: object) -> int | None:
+    """The value as a non-negative int, or None if it is anything else (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def _validate(key: str, value: object) -> object:
+    if key in _DELAYS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ApiError(f"{key} must be a non-negative number of seconds", key)
+        return float(value)
+    if key == "default_max_tokens":
+        if not _count(value):
+            raise ApiError(f"{key} must be a positive integer", key)
+        return value
+    if key == "fail_after_tokens":
+        if value is not None and _count(value) is None:
+            raise ApiError(f"{key} must be a non-negative integer or null", key)
+        return value
+    if key == "fail_status":
+        status = _count(value)
+        if value is not None and (status is None or not 400 <= status <= 599):
+            raise ApiError(f"{key} must be an HTTP error status (400-599) or null", key)
+        return value
+    if key == "fail_message":
+        if value is not None and not isinstance(value, str):
+            raise ApiError(f"{key} must be a string or null", key)
+        return value
+    raise ApiError(f"unknown config key {key!r}", key)

@@ -1,0 +1,229 @@
+"""The decode engine: a vLLM ``kv_consumer`` that pulls a prefill's KV and generates.
+
+Order of a request: wait for one of ``--slots`` (FIFO), ``accept_delay``, pull the blocks
+from the prefill engine named in ``kv_transfer_params``, and only then send response
+headers, so a router that has the headers knows the KV arrived. A non-streaming response
+sends headers and body together at the end, as vLLM does.
+
+Output is derived only from the pulled tokens, never from the body's prompt: output token
+``i`` is ``pulled[i % len(pulled)]`` and its text is ``" " + token`` (the first token too).
+Usage reports ``prompt_tokens = len(pulled)``, all of them cached, like vLLM after a remote
+prefill.
+
+With ``--standalone`` a body without ``kv_transfer_params`` is served like a plain engine:
+the body's own prompt tokens, after ``prefill_delay`` instead of a pull, none cached.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+
+from pd_router.sim.asgi import SSE_DONE, ApiError, Exchange, sse_event
+from pd_router.sim.engine import Engine, Job, Outcome
+from pd_router.sim.payloads import JSON, chunk, full_response, token_text, usage, usage_chunk
+
+PULL_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where the prompt's KV blocks wait, from the prefill's ``kv_transfer_params``."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+
+    @property
+    def pull_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/kv/pull"
+
+
+class PullError(Exception):
+    pass
+
+
+def parse_remote_prefill(params: object) -> RemotePrefill:
+    if isinstance(params, dict) and params.get("do_remote_prefill") is True:
+        engine_id = params.get("remote_engine_id")
+        request_id = params.get("remote_request_id")
+        block_ids = params.get("remote_block_ids")
+        host = params.get("remote_host")
+        port = params.get("remote_port")
+        if (
+            isinstance(engine_id, str)
+            and isinstance(request_id, str)
+            and isinstance(block_ids, list)
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids)
+            and isinstance(host, str)
+            and isinstance(port, int)
+            and not isinstance(port, bool)
+        ):
+            return RemotePrefill(engine_id, request_id, block_ids, host, port)
+    raise ApiError("missing or invalid kv_transfer_params", "kv_transfer_params")
+
+
+class DecodeEngine(Engine):
+    _session: aiohttp.ClientSession | None = None
+    _slots: anyio.Semaphore | None = None
+
+    async def startup(self) -> None:
+        # One pooled session per engine, like NIXL's one agent per engine.
+        self._session = aiohttp.ClientSession(timeout=PULL_TIMEOUT)
+        self._slots = anyio.Semaphore(self.settings.slots)
+
+    async def shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def prepare(self, job: Job) -> None:
+        params = job.body.get("kv_transfer_params")
+        if params is None and self.settings.standalone:
+            return
+        parse_remote_prefill(params)
+
+    async def generate(self, exchange: Exchange, job: Job) -> Outcome:
+        if self._slots is None:
+            raise RuntimeError("the decode engine has not started")
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        try:
+            return await self._generate_in_slot(exchange, job)
+        finally:
+            self._slots.release()
+
+    async def _generate_in_slot(self, exchange: Exchange, job: Job) -> Outcome:
+        await anyio.sleep(self.config.accept_delay)
+        params = job.body.get("kv_transfer_params")
+        if params is None:
+            await anyio.sleep(self.config.prefill_delay)
+            tokens, cached = job.prompt_tokens, 0
+        else:
+            try:
+                tokens = await self._pull(parse_remote_prefill(params))
+            except PullError as exc:
+                self.counters.pull_failures += 1
+                await exchange.respond_error(500, f"KV transfer failed: {exc}")
+                return Outcome.FAILED
+            self.counters.transfers += 1
+            cached = len(tokens)
+        if job.stream:
+            return await self._stream(exchange, job, tokens, cached)
+        return await self._complete(exchange, job, tokens, cached)
+
+    async def _pull(self, remote: RemotePrefill) -> list[str]:
+        if self._session is None:
+            raise RuntimeError("the decode engine has not started")
+        request = {
+            "engine_id": remote.engine_id,
+            "request_id": remote.request_id,
+            "block_ids": remote.block_ids,
+        }
+        try:
+            async with self._session.post(
+                remote.pull_url,
+                data=orjson.dumps(request),
+                headers={"content-type": "application/json"},
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise PullError(f"{remote.pull_url}: {exc!r}") from None
+        try:
+            payload: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            payload = None
+        if status != 200:
+            message = raw.decode(errors="replace")
+            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                message = str(payload["error"].get("message"))
+            raise PullError(f"{remote.pull_url} answered {status}: {message}")
+        tokens = payload.get("tokens") if isinstance(payload, dict) else None
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, str) for t in tokens)
+        ):
+            raise PullError(f"{remote.pull_url} sent no tokens")
+        return tokens
+
+    def _event(self, job: Job, created: int, text: str, finish: str | None, role: bool) -> bytes:
+        return sse_event(
+            chunk(
+                request_id=job.request_id,
+                chat=job.chat,
+                model=self.settings.model,
+                created=created,
+                text=text,
+                finish_reason=finish,
+                role=role,
+            )
+        )
+
+    async def _stream(
+        self, exchange: Exchange, job: Job, tokens: list[str], cached: int
+    ) -> Outcome:
+        created = int(time.time())
+        count = job.max_tokens
+        fail_after = self.config.fail_after_tokens
+        await exchange.start_stream()
+        if job.chat:
+            await exchange.send_body(self._event(job, created, "", None, role=True), more=True)
+        for i in range(count):
+            if i == fail_after:
+                return Outcome.CRASHED
+            await anyio.sleep(self.config.ttft if i == 0 else self.config.itl)
+            finish = "length" if i == count - 1 else None
+            text = token_text(tokens[i % len(tokens)])
+            await exchange.send_body(self._event(job, created, text, finish, role=False), more=True)
+        if fail_after is not None:
+            # Asked to fail after at least every token: die before the usage and [DONE].
+            return Outcome.CRASHED
+        if job.include_usage:
+            usage_event = usage_chunk(
+                request_id=job.request_id,
+                chat=job.chat,
+                model=self.settings.model,
+                created=created,
+                usage_body=usage(len(tokens), count, cached),
+            )
+            await exchange.send_body(sse_event(usage_event), more=True)
+        await exchange.send_body(SSE_DONE, more=False)
+        return Outcome.COMPLETED
+
+    async def _complete(
+        self, exchange: Exchange, job: Job, tokens: list[str], cached: int
+    ) -> Outcome:
+        created = int(time.time())
+        count = job.max_tokens
+        fail_after = self.config.fail_after_tokens
+        for i in range(count):
+            if i == fail_after:
+                break
+            await anyio.sleep(self.config.ttft if i == 0 else self.config.itl)
+        text = "".join(token_text(tokens[i % len(tokens)]) for i in range(count))
+        body: JSON = full_response(
+            request_id=job.request_id,
+            chat=job.chat,
+            model=self.settings.model,
+            created=created,
+            text=text,
+            usage_body=usage(len(tokens), count, cached),
+            kv_transfer_params=None,
+        )
+        if fail_after is not None:
+            await exchange.respond_truncated(body)
+            return Outcome.CRASHED
+        await exchange.respond(200, body)
+        return Outcome.COMPLETED

@@ -1,0 +1,268 @@
+"""What both simulated engines share: routing, request bookkeeping, stats and knobs.
+
+A role (``prefill.py``, ``decode.py``) validates a generation request in :meth:`prepare`
+and serves it in :meth:`generate`; this base class counts it, answers errors, and cancels
+``generate`` as soon as the client disconnects.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pd_router.sim.asgi import ApiError, Exchange, Receive, Scope, Send, SimulatedCrash
+from pd_router.sim.config import EngineSettings, SimConfig
+from pd_router.sim.tokens import PromptError, request_tokens
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+RECENT_REQUEST_IDS = 1024
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    # The response was cut on purpose (fail_after_tokens); uvicorn must drop the connection.
+    CRASHED = "crashed"
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    blocks_expired: int = 0
+    transfers: int = 0
+    pull_failures: int = 0
+
+
+@dataclass
+class Job:
+    """A validated generation request."""
+
+    request_id: str
+    chat: bool
+    body: dict[str, Any]
+    prompt_tokens: list[str]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ApiError(f"{key} must be a positive integer", key)
+    return value
+
+
+class Engine:
+    """Base ASGI app of a simulated engine."""
+
+    def __init__(self, settings: EngineSettings, config: SimConfig) -> None:
+        self.settings = settings
+        self.config = config
+        self.counters = Counters()
+        self.request_ids: deque[str] = deque(maxlen=RECENT_REQUEST_IDS)
+        self.active = 0
+        self.queued = 0
+        self.created = int(time.time())
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/sim/stats"): self._stats,
+            ("POST", "/sim/reset"): self._reset,
+            ("GET", "/sim/config"): self._get_config,
+            ("POST", "/sim/config"): self._set_config,
+            ("POST", COMPLETIONS): self._completions,
+            ("POST", CHAT_COMPLETIONS): self._chat_completions,
+        }
+
+    # Hooks for the roles.
+
+    async def startup(self) -> None:
+        """Runs on ASGI lifespan startup, inside the server's event loop."""
+
+    async def shutdown(self) -> None:
+        """Runs on ASGI lifespan shutdown."""
+
+    def maintain(self) -> None:
+        """Runs before every request, for lazy housekeeping such as lease expiry."""
+
+    def prepare(self, job: Job) -> None:
+        """Role-specific validation; raises ApiError."""
+
+    async def generate(self, exchange: Exchange, job: Job) -> Outcome:
+        raise NotImplementedError
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        self._routes[(method, path)] = handler
+
+    def stats(self) -> dict[str, Any]:
+        self.maintain()
+        return {
+            "role": self.settings.role,
+            "engine_id": self.settings.engine_id,
+            "model": self.settings.model,
+            **asdict(self.counters),
+            "active": self.active,
+            "queued": self.queued,
+            "blocks_pinned": 0,
+            "request_ids": list(self.request_ids),
+        }
+
+    # ASGI.
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        exchange = Exchange(scope, receive, send)
+        self.maintain()
+        handler = self._routes.get((exchange.method, exchange.path))
+        try:
+            if handler is not None:
+                await handler(exchange)
+            elif any(path == exchange.path for _, path in self._routes):
+                raise ApiError(f"method {exchange.method} not allowed", status=405)
+            else:
+                raise ApiError(f"no route for {exchange.path}", status=404)
+        except ApiError as exc:
+            if not exchange.started:
+                await exchange.respond_error(exc.status, exc.message, exc.param)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    # Reported to uvicorn, which then exits instead of serving a broken engine.
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # Generation.
+
+    async def _completions(self, exchange: Exchange) -> None:
+        await self._generation(exchange, chat=False)
+
+    async def _chat_completions(self, exchange: Exchange) -> None:
+        await self._generation(exchange, chat=True)
+
+    async def _generation(self, exchange: Exchange, chat: bool) -> None:
+        header_id = exchange.header(b"x-request-id")
+        if header_id:
+            self.request_ids.append(header_id)
+        request_id = header_id or uuid.uuid4().hex
+        self.counters.requests += 1
+        self.active += 1
+        try:
+            outcome = await self._serve(exchange, request_id, chat)
+        finally:
+            self.active -= 1
+        if outcome is None:
+            self.counters.aborted += 1
+        elif outcome is Outcome.COMPLETED:
+            self.counters.completed += 1
+        else:
+            self.counters.failed += 1
+        if outcome is Outcome.CRASHED:
+            raise SimulatedCrash
+
+    async def _serve(self, exchange: Exchange, request_id: str, chat: bool) -> Outcome | None:
+        """The request's outcome, or None if the client left first."""
+        try:
+            body = await exchange.read_json_object()
+            if body is None:
+                return None
+            if self.config.fail_status is not None:
+                message = self.config.fail_message or "simulated failure"
+                raise ApiError(message, status=self.config.fail_status)
+            job = self._job(request_id, chat, body)
+            self.prepare(job)
+        except ApiError as exc:
+            await exchange.respond_error(exc.status, exc.message, exc.param)
+            return Outcome.FAILED
+        return await exchange.run_until_disconnect(lambda: self.generate(exchange, job))
+
+    def _job(self, request_id: str, chat: bool, body: dict[str, Any]) -> Job:
+        model = body.get("model")
+        if model is not None and model != self.settings.model:
+            # vLLM refuses a model name it does not serve.
+            raise ApiError(f"The model `{model}` does not exist.", "model", status=404)
+        try:
+            tokens = request_tokens(body, chat, self.settings.max_model_len)
+        except PromptError as exc:
+            raise ApiError(exc.message, exc.param) from None
+        max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(
+            body, "max_tokens"
+        )
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise ApiError("stream must be a boolean", "stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise ApiError("stream_options must be an object", "stream_options")
+        include_usage = bool(options and options.get("include_usage"))
+        return Job(
+            request_id=request_id,
+            chat=chat,
+            body=body,
+            prompt_tokens=tokens,
+            max_tokens=max_tokens or self.config.default_max_tokens,
+            stream=stream,
+            include_usage=include_usage,
+        )
+
+    # Operational endpoints.
+
+    async def _health(self, exchange: Exchange) -> None:
+        await exchange.respond(200, {"status": "ok"})
+
+    async def _models(self, exchange: Exchange) -> None:
+        model = {
+            "id": self.settings.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pd-router-sim",
+            "max_model_len": self.settings.max_model_len,
+        }
+        await exchange.respond(200, {"object": "list", "data": [model]})
+
+    async def _stats(self, exchange: Exchange) -> None:
+        await exchange.respond(200, self.stats())
+
+    async def _reset(self, exchange: Exchange) -> None:
+        self.counters = Counters()
+        self.request_ids.clear()
+        await exchange.respond(200, self.stats())
+
+    async def _get_config(self, exchange: Exchange) -> None:
+        await exchange.respond(200, self.config.as_dict())
+
+    async def _set_config(self, exchange: Exchange) -> None:
+        changes = await exchange.read_json_object()
+        if changes is None:
+            return
+        self.config.update(changes)
+        await exchange.respond(200, self.config.as_dict())

@@ -1,0 +1,260 @@
+"""Start and stop simulated engines as subprocesses, from tests and demos.
+
+Blocking and standard-library only, so it works from any test style (sync, anyio, trio).
+It only runs this package's own engines (fixed argv, no shell), and stops each one
+by its own PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess  # nosec B404
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode"]
+
+_HOST = "127.0.0.1"
+_BIND_RETRIES = 3
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class EngineProcess:
+    """One simulated engine in its own process, listening on 127.0.0.1."""
+
+    def __init__(
+        self,
+        role: Role,
+        extra_args: Sequence[str] = (),
+        *,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.role: Role = role
+        self.extra_args = list(extra_args)
+        # A port picked here may be grabbed by someone else before the engine binds it;
+        # only then is it safe to retry with another one.
+        self._port_is_ours = port is None
+        self.port = port if port is not None else free_port()
+        self._keep_log = log_path is not None
+        # A temporary log is made at start() so that an engine never started leaves no file.
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{_HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def engine_id(self) -> str:
+        """The engine id, unless ``--engine-id`` in extra_args overrides it."""
+        if "--engine-id" in self.extra_args:
+            return self.extra_args[self.extra_args.index("--engine-id") + 1]
+        return f"sim-{self.role}-{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "pd_router.sim",
+            self.role,
+            "--host",
+            _HOST,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
+
+    def start(self) -> EngineProcess:
+        if self._process is not None:
+            raise RuntimeError(f"{self.role} engine on port {self.port} already started")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="pd-router-sim-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(  # nosec B603
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        return self
+
+    def log(self) -> str:
+        """What the engine printed (warnings and errors only)."""
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_healthy(self, timeout: float = 20.0) -> None:
+        """Block until GET /health answers 200; raises RuntimeError with the engine's log."""
+        deadline = time.monotonic() + timeout
+        attempts = 1
+        while True:
+            if self._process is None:
+                raise RuntimeError("engine not started")
+            code = self._process.poll()
+            if code is not None:
+                if (
+                    self._port_is_ours
+                    and attempts < _BIND_RETRIES
+                    and "address already in use" in self.log().lower()
+                ):
+                    attempts += 1
+                    self._process = None
+                    self.port = free_port()
+                    self.start()
+                    continue
+                raise RuntimeError(
+                    f"{self.role} engine exited with {code} before it was healthy:\n{self.log()}"
+                )
+            try:
+                with _open("GET", f"{self.url}/health", None, timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.role} engine on port {self.port} not healthy after {timeout}s:\n"
+                    f"{self.log()}"
+                )
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate this engine's PID, kill it if it lingers past ``timeout``, and reap it."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if not self._keep_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
+
+    def stats(self) -> dict[str, Any]:
+        return _call("GET", f"{self.url}/sim/stats")
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """POST /sim/config; returns the engine's whole config afterwards."""
+        return _call("POST", f"{self.url}/sim/config", changes)
+
+    def reset(self) -> dict[str, Any]:
+        """Zero the counters and forget request ids; pinned blocks stay."""
+        return _call("POST", f"{self.url}/sim/reset", {})
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EngineProcess({self.role!r}, port={self.port}, pid={self.pid})"
+
+
+class SimFleet:
+    """N prefill and M decode engines, started together and all healthy inside ``with``."""
+
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        *,
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
+        startup_timeout: float = 30.0,
+    ) -> None:
+        self.prefill = [EngineProcess("prefill", prefill_args) for _ in range(prefill)]
+        self.decode = [EngineProcess("decode", decode_args) for _ in range(decode)]
+        self.startup_timeout = startup_timeout
+
+    @property
+    def engines(self) -> list[EngineProcess]:
+        return [*self.prefill, *self.decode]
+
+    def start(self) -> SimFleet:
+        try:
+            # Start every process first so that their imports overlap.
+            for engine in self.engines:
+                engine.start()
+            for engine in self.engines:
+                engine.wait_healthy(self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+    def reset(self) -> None:
+        for engine in self.engines:
+            engine.reset()
+
+    def __enter__(self) -> SimFleet:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _open(method: str, url: str, payload: object, timeout: float) -> Any:
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("content-type", "application/json")
+    # Only ever http://127.0.0.1 URLs built above.
+    return urllib.request.urlopen(request, timeout=timeout)  # nosec B310
+
+
+def _call(method: str, url: str, payload: object = None, timeout: float = 10.0) -> dict[str, Any]:
+    try:
+        with _open(method, url, payload, timeout) as response:
+            result: dict[str, Any] = json.loads(response.read())
+            return result
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise RuntimeError(f"{method} {url} answered {exc.code}: {detail}") from None
