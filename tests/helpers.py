@@ -12,14 +12,16 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.sim.fleet import EngineProcess
+from pd_router.sim.fleet import ServerProcess
 
 
-class RouterProcess(EngineProcess):
+class RouterProcess(ServerProcess):
     """``python -m pd_router`` on 127.0.0.1, stopped by its own PID."""
 
+    name = "router"
+
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *args: str) -> None:
-        super().__init__("prefill", ["--prefill", *prefill, "--decode", *decode, *args])
+        super().__init__(["--prefill", *prefill, "--decode", *decode, *args])
 
     def command(self) -> list[str]:
         return [

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 Role = Literal["prefill", "decode"]
 
@@ -36,18 +36,21 @@ def free_port() -> int:
         return port
 
 
-class EngineProcess:
-    """One simulated engine in its own process, listening on 127.0.0.1."""
+class ServerProcess:
+    """A local HTTP server in its own process on 127.0.0.1, healthy when GET /health is 200.
+
+    Subclasses say how to start it (``command``); this class owns its PID and its log.
+    """
+
+    name = "server"
 
     def __init__(
         self,
-        role: Role,
         extra_args: Sequence[str] = (),
         *,
         port: int | None = None,
         log_path: str | Path | None = None,
     ) -> None:
-        self.role: Role = role
         self.extra_args = list(extra_args)
         # A port picked here may be grabbed by someone else before the engine binds it;
         # only then is it safe to retry with another one.
@@ -66,29 +69,12 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    @property
-    def engine_id(self) -> str:
-        """The engine id, unless ``--engine-id`` in extra_args overrides it."""
-        if "--engine-id" in self.extra_args:
-            return self.extra_args[self.extra_args.index("--engine-id") + 1]
-        return f"sim-{self.role}-{self.port}"
-
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "pd_router.sim",
-            self.role,
-            "--host",
-            _HOST,
-            "--port",
-            str(self.port),
-            *self.extra_args,
-        ]
+        raise NotImplementedError
 
-    def start(self) -> EngineProcess:
+    def start(self) -> Self:
         if self._process is not None:
-            raise RuntimeError(f"{self.role} engine on port {self.port} already started")
+            raise RuntimeError(f"{self.name} on port {self.port} already started")
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="pd-router-sim-", suffix=".log")
             os.close(fd)
@@ -128,7 +114,7 @@ class EngineProcess:
                     self.start()
                     continue
                 raise RuntimeError(
-                    f"{self.role} engine exited with {code} before it was healthy:\n{self.log()}"
+                    f"{self.name} exited with {code} before it was healthy:\n{self.log()}"
                 )
             try:
                 with _open("GET", f"{self.url}/health", None, timeout=1.0) as response:
@@ -138,7 +124,7 @@ class EngineProcess:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"{self.role} engine on port {self.port} not healthy after {timeout}s:\n"
+                    f"{self.name} on port {self.port} not healthy after {timeout}s:\n"
                     f"{self.log()}"
                 )
             time.sleep(0.05)
@@ -157,18 +143,7 @@ class EngineProcess:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None
 
-    def stats(self) -> dict[str, Any]:
-        return _call("GET", f"{self.url}/sim/stats")
-
-    def configure(self, **changes: Any) -> dict[str, Any]:
-        """POST /sim/config; returns the engine's whole config afterwards."""
-        return _call("POST", f"{self.url}/sim/config", changes)
-
-    def reset(self) -> dict[str, Any]:
-        """Zero the counters and forget request ids; pinned blocks stay."""
-        return _call("POST", f"{self.url}/sim/reset", {})
-
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self) -> Self:
         self.start()
         try:
             self.wait_healthy()
@@ -186,7 +161,54 @@ class EngineProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"EngineProcess({self.role!r}, port={self.port}, pid={self.pid})"
+        return f"{type(self).__name__}({self.name!r}, port={self.port}, pid={self.pid})"
+
+
+class EngineProcess(ServerProcess):
+    """One simulated engine (``python -m pd_router.sim ROLE``)."""
+
+    def __init__(
+        self,
+        role: Role,
+        extra_args: Sequence[str] = (),
+        *,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        super().__init__(extra_args, port=port, log_path=log_path)
+        self.role: Role = role
+        self.name = f"{role} engine"
+
+    @property
+    def engine_id(self) -> str:
+        """The engine id, unless ``--engine-id`` in extra_args overrides it."""
+        if "--engine-id" in self.extra_args:
+            return self.extra_args[self.extra_args.index("--engine-id") + 1]
+        return f"sim-{self.role}-{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "pd_router.sim",
+            self.role,
+            "--host",
+            _HOST,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        return _call("GET", f"{self.url}/sim/stats")
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """POST /sim/config; returns the engine's whole config afterwards."""
+        return _call("POST", f"{self.url}/sim/config", changes)
+
+    def reset(self) -> dict[str, Any]:
+        """Zero the counters and forget request ids; pinned blocks stay."""
+        return _call("POST", f"{self.url}/sim/reset", {})
 
 
 class SimFleet:
