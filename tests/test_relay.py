@@ -1,0 +1,181 @@
+"""The relay in-process, under asyncio and trio, with scripted engines.
+
+The windows a real server can't hit on demand (a client gone in the very tick prefill
+answered; a decode engine that never takes the request) are driven here step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+
+from pd_router.nodes import Node, RoundRobin
+from pd_router.pool import DecodePool
+from pd_router.relay import Relay, Router, Settings
+
+pytestmark = pytest.mark.anyio
+
+KV = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [7]}
+PREFILL_ANSWER = orjson.dumps(
+    {"kv_transfer_params": KV, "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+)
+DECODE_ANSWER = orjson.dumps({"choices": [{"text": " hi"}], "usage": {"prompt_tokens": 2}})
+
+
+class ScriptedResponse:
+    def __init__(self, url: str, body: bytes, before_read: Callable[[], Awaitable[None]]) -> None:
+        self.status = 200
+        self.url = url
+        self._body = body
+        self._before_read = before_read
+        self.closed = False
+
+    async def read(self) -> bytes:
+        await self._before_read()
+        return self._body
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield self._body
+
+
+async def nothing() -> None:
+    pass
+
+
+class ScriptedUpstream:
+    """Records what each engine was sent; ``on_prefill_read`` / ``decode_headers`` script timing."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.responses: list[ScriptedResponse] = []
+        self.on_prefill_read: Callable[[], Awaitable[None]] = nothing
+        self.decode_headers: Callable[[], Awaitable[None]] = nothing
+
+    @asynccontextmanager
+    async def post(self, url: str, body: Any, request_id: str) -> AsyncIterator[ScriptedResponse]:
+        self.sent.append((url, body))
+        if url.startswith("http://prefill"):
+            response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
+        else:
+            await self.decode_headers()
+            response = ScriptedResponse(url, DECODE_ANSWER, nothing)
+        self.responses.append(response)
+        try:
+            yield response
+        finally:
+            response.closed = True
+
+
+class Client:
+    """The ASGI side: a client that can leave when the test says so."""
+
+    def __init__(self) -> None:
+        self.gone = anyio.Event()
+        self.messages: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+
+
+def make_router(upstream: ScriptedUpstream, grace: float = 5.0) -> Router:
+    return Router(
+        pool=DecodePool([Node(id=0, url="http://decode", slots=1)]),
+        prefill=RoundRobin([Node(id=0, url="http://prefill", slots=1)]),
+        upstream=upstream,  # type: ignore[arg-type]
+        settings=Settings(handoff_grace=grace),
+    )
+
+
+BODY = {"model": "m", "prompt": "hi there", "max_tokens": 20, "stream": False}
+
+
+async def test_a_whole_request_releases_its_slot_and_reports_prefill_usage() -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r1")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    body = orjson.loads(client.messages[-1]["body"])
+    assert body["usage"] == {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert [url for url, _ in upstream.sent] == ["http://prefill/v1/completions"] + [
+        "http://decode/v1/completions"
+    ]
+    assert upstream.sent[1][1] == {**BODY, "kv_transfer_params": KV}
+    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.outcomes == {("completions", "ok"): 1}
+
+
+async def test_client_gone_as_prefill_answers_still_hands_the_kv_over() -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+
+    async def leave_while_the_answer_is_read() -> None:
+        with anyio.CancelScope(shield=True):
+            client.gone.set()
+            await anyio.sleep(0.05)  # the watcher runs and cancels the relay
+
+    upstream.on_prefill_read = leave_while_the_answer_is_read
+    await Relay(router, "completions", {**BODY, "stream": True}, "r2")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert len(upstream.sent) == 2, "the decode request was sent although the client left"
+    drain = upstream.sent[1][1]
+    assert drain["max_tokens"] == 1 and drain["stream"] is False
+    assert drain["kv_transfer_params"] == KV
+    assert all(response.closed for response in upstream.responses)
+    assert client.messages == [], "nothing is sent to a client that left"
+    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.outcomes == {("completions", "client_aborted"): 1}
+
+
+async def test_a_decode_engine_that_never_takes_the_kv_is_dropped_after_the_grace() -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream, grace=0.2)
+    client = Client()
+    in_decode = anyio.Event()
+
+    async def never() -> None:
+        in_decode.set()
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = never
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            Relay(router, "completions", dict(BODY), "r3"), {}, client.receive, client.send
+        )
+        await in_decode.wait()
+        started = anyio.current_time()
+        client.gone.set()
+    assert 0.15 < anyio.current_time() - started < 2
+    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.outcomes == {("completions", "client_aborted"): 1}
+
+
+async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+
+    async def slow_accept() -> None:
+        client.gone.set()
+        await anyio.sleep(0.1)  # shielded: the client leaving does not interrupt this
+
+    upstream.decode_headers = slow_accept
+    await Relay(router, "completions", {**BODY, "stream": True}, "r4")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert upstream.sent[1][1]["stream"] is True, "the real decode request, not a drain"
+    assert all(response.closed for response in upstream.responses)
+    assert client.messages == []
+    assert router.pool.in_use == 0 and router.pool.released == 1
