@@ -1,9 +1,11 @@
-"""The Starlette app: OpenAI routes, /v1/models, /health, /metrics."""
+"""The Starlette app: OpenAI routes, /v1/models, /health, /metrics, /admin; and the
+background work that lives as long as the app: the prober and graceful shutdown."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -15,7 +17,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .errors import PayloadTooLarge, RouterError, UpstreamError
+from .admin import admin_routes
+from .errors import PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
+from .health import probe_forever
 from .metrics import registry_for
 from .relay import Relay, Router
 from .validation import PATHS, Endpoint, parse_body, request_id
@@ -41,9 +45,11 @@ class OpenAIRoute:
         request = Request(scope, receive)
         rid = request_id(request.headers.get("x-request-id"))
         try:
+            if self.router.shutting_down:
+                raise ShuttingDown("router shutting down")
             body = parse_body(await _read_body(request, self.max_body_bytes), self.endpoint)
         except RouterError as error:
-            self.router.count(self.endpoint, "bad_request")
+            self.router.count(self.endpoint, error.outcome or "bad_request")
             response = error_response(error)
             response.headers["x-request-id"] = rid
             await response(scope, receive, send)
@@ -54,11 +60,22 @@ class OpenAIRoute:
         await Relay(self.router, self.endpoint, body, rid)(scope, receive, send)
 
 
-def create_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+@dataclass(frozen=True)
+class AppOptions:
+    max_body_bytes: int = MAX_BODY_BYTES
+    admin_token: str | None = None
+    health_interval: float = 1.0
+    health_timeout: float = 1.0
+    shutdown_timeout: float = 30.0
+
+
+def create_app(router: Router, options: AppOptions | None = None) -> Starlette:
+    options = options or AppOptions()
     registry = registry_for(router)
+    fleet = router.fleet
 
     async def models(request: Request) -> Response:
-        nodes = [*router.pool.nodes, *router.prefill.nodes]
+        nodes = [node for node in fleet.nodes if node.serving]
         answers: list[Any] = [None] * len(nodes)
 
         async def ask(index: int, url: str) -> None:
@@ -82,17 +99,21 @@ def create_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> Starl
         return _json({"object": "list", "data": list(seen.values())})
 
     async def health(request: Request) -> Response:
-        pool = router.pool
-        return _json(
-            {
-                "status": "ok",
-                "prefill_nodes": len(router.prefill.nodes),
-                "decode_nodes": len(pool.nodes),
-                "decode_slots": pool.capacity,
-                "decode_slots_in_use": pool.in_use,
-                "queue_depth": pool.queue_depth,
-            }
-        )
+        pool = fleet.pool
+        serving = set(fleet.serving_view())
+        live_prefill = sum(node.id in serving for node in fleet.prefill.nodes)
+        live_decode = sum(node.id in serving for node in pool.nodes)
+        ready = live_prefill > 0 and live_decode > 0 and not router.shutting_down
+        status = "ok" if ready else ("shutting_down" if router.shutting_down else "unavailable")
+        document = {
+            "status": status,
+            "prefill_nodes": live_prefill,
+            "decode_nodes": live_decode,
+            "decode_slots": pool.capacity,
+            "decode_slots_in_use": pool.in_use,
+            "queue_depth": pool.queue_depth,
+        }
+        return _json(document, 200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -101,20 +122,46 @@ def create_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> Starl
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await router.upstream.start()
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                stopping = router.stopping = anyio.Event()
+                if options.health_interval > 0:
+                    tg.start_soon(
+                        probe_forever,
+                        fleet,
+                        router.upstream,
+                        options.health_interval,
+                        options.health_timeout,
+                    )
+                tg.start_soon(_end_stragglers, router, stopping, options.shutdown_timeout)
+                yield
+                tg.cancel_scope.cancel()
         finally:
             await router.upstream.close()
 
     routes = [
         *(
-            Route(PATHS[endpoint], OpenAIRoute(router, endpoint, max_body_bytes), methods=["POST"])
+            Route(
+                PATHS[endpoint],
+                OpenAIRoute(router, endpoint, options.max_body_bytes),
+                methods=["POST"],
+            )
             for endpoint in PATHS
         ),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if options.admin_token:
+        routes.extend(admin_routes(router, options.admin_token))
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:
+    """After SIGTERM, in-flight requests get ``timeout`` seconds; then each is failed."""
+    await stopping.wait()
+    await anyio.sleep(timeout)
+    for binding in list(router.fleet.bindings.values()):
+        binding.handle.fail(ShuttingDown("router shut down before this request finished"))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -131,5 +178,5 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _json(document: Any) -> Response:
-    return Response(orjson.dumps(document), media_type="application/json")
+def _json(document: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(document), status_code=status, media_type="application/json")

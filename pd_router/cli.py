@@ -6,22 +6,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
 
 import uvicorn
 
-from .app import MAX_BODY_BYTES, create_app
-from .nodes import RoundRobin, make_nodes
-from .pool import DecodePool
+from .app import MAX_BODY_BYTES, AppOptions, create_app
+from .fleet import Fleet
+from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
 from .upstream import Upstream
 
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if value < 0 or value != value:
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return value
 
@@ -33,69 +37,47 @@ def _positive(text: str) -> int:
     return value
 
 
+# (flag, type, default, metavar, help): one table, so every option reads the same way.
+OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
+    ("--host", str, "127.0.0.1", None, "address to listen on"),
+    ("--port", int, 8000, None, "port to listen on"),
+    ("--decode-slots", _positive, 1, "N",
+     "sequences each decode node serves at once, unless the node says otherwise"),
+    ("--queue-timeout", _seconds, 0.0, "SECONDS",
+     "wait up to this long for a free decode slot; 0 fails fast with 429"),
+    ("--connect-timeout", _seconds, 5.0, "SECONDS", "give up connecting to an engine"),
+    ("--read-timeout", _seconds, 600.0, "SECONDS",
+     "give up on an engine that sends nothing for this long"),
+    ("--handoff-grace", _seconds, 5.0, "SECONDS",
+     "after a client left between prefill and decode, how long the decode engine gets to "
+     "take the KV before the router drops the request"),
+    ("--max-body-bytes", _positive, MAX_BODY_BYTES, "BYTES",
+     "largest request body accepted (413 above)"),
+    ("--health-interval", _seconds, 1.0, "SECONDS",
+     "probe every node's /health this often; 0 turns probing off"),
+    ("--health-timeout", _seconds, 1.0, "SECONDS", "a slower probe counts as a failure"),
+    ("--unhealthy-after", _positive, 3, "N", "consecutive failures that mark a node dead"),
+    ("--healthy-after", _positive, 2, "N",
+     "consecutive successful probes that readmit a dead node"),
+    ("--admin-token", str, None, "TOKEN",
+     "enable /admin/* behind this bearer token (off when unset)"),
+    ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
+     "on SIGTERM, how long in-flight requests get to finish before they are failed"),
+]  # fmt: skip
+
+
 def add_router_flags(parser: argparse.ArgumentParser, *, engines: bool = True) -> None:
     if engines:
         parser.add_argument(
-            "--prefill",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL",
+            "--prefill", action="extend", nargs="+", required=True, metavar="URL",
             help="prefill engine base URL (repeat or list several)",
-        )
+        )  # fmt: skip
         parser.add_argument(
-            "--decode",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL[,slots=N]",
+            "--decode", action="extend", nargs="+", required=True, metavar="URL[,slots=N]",
             help="decode engine base URL, optionally with its own slot count",
-        )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument(
-        "--decode-slots",
-        type=_positive,
-        default=1,
-        metavar="N",
-        help="sequences each decode node serves at once, unless the node says otherwise",
-    )
-    parser.add_argument(
-        "--queue-timeout",
-        type=_seconds,
-        default=0.0,
-        metavar="SECONDS",
-        help="wait up to this long for a free decode slot; 0 fails fast with 429",
-    )
-    parser.add_argument(
-        "--connect-timeout",
-        type=_seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="give up connecting to an engine after this long",
-    )
-    parser.add_argument(
-        "--read-timeout",
-        type=_seconds,
-        default=600.0,
-        metavar="SECONDS",
-        help="give up on an engine that sends nothing for this long",
-    )
-    parser.add_argument(
-        "--handoff-grace",
-        type=_seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="after a client left between prefill and decode, how long the decode engine "
-        "gets to take the KV before the router drops the request",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=_positive,
-        default=MAX_BODY_BYTES,
-        metavar="BYTES",
-        help="largest request body accepted (413 above)",
-    )
+        )  # fmt: skip
+    for flag, kind, default, metavar, text in OPTIONS:
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -105,28 +87,54 @@ def add_router_flags(parser: argparse.ArgumentParser, *, engines: bool = True) -
 
 
 def build_router(args: argparse.Namespace) -> Router:
+    prefill = make_nodes(args.prefill, 1, role="prefill")
+    decode = make_nodes(args.decode, args.decode_slots, first_id=len(prefill))
+    policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
     return Router(
-        pool=DecodePool(make_nodes(args.decode, args.decode_slots)),
-        prefill=RoundRobin(make_nodes(args.prefill, 1)),
+        fleet=Fleet(prefill, decode, policy),
         upstream=Upstream(connect_timeout=args.connect_timeout, read_timeout=args.read_timeout),
         settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
     )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, telling the router about SIGTERM/SIGINT as it stops accepting."""
+
+    def __init__(self, config: uvicorn.Config, router: Router) -> None:
+        super().__init__(config)
+        self._router = router
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between any two bytecodes: hand the work to the loop.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._router.begin_shutdown)
+        super().handle_exit(sig, frame)
 
 
 def serve(args: argparse.Namespace, router: Router) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(router, max_body_bytes=args.max_body_bytes)
-    uvicorn.run(
-        app,
+    options = AppOptions(
+        max_body_bytes=args.max_body_bytes,
+        admin_token=args.admin_token,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        create_app(router, options),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        loop="auto",
-        http="auto",
     )
+    _Server(config, router).run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

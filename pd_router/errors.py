@@ -75,14 +75,27 @@ class QueueTimeout(Busy):
 
 
 class UpstreamError(RouterError):
-    """An engine failed or answered with an error; its status is passed on when it has one."""
+    """An engine failed or answered with an error; its status is passed on when it has one.
+
+    ``engine_fault`` says whether this counts against the node's health (a 4xx is the
+    request's fault, not the engine's); ``unreachable`` that it refused the connection.
+    """
 
     type = "upstream_error"
 
-    def __init__(self, message: str, *, status: int = 502, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        code: str | None = None,
+        unreachable: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.unreachable = unreachable
+        self.engine_fault = status >= 500
 
 
 def upstream_message(status: int, raw: bytes) -> str:
@@ -99,3 +112,39 @@ def upstream_message(status: int, raw: bytes) -> str:
             return str(parsed["message"])
     text = raw[:200].decode("utf-8", "replace").strip()
     return f"HTTP {status}" + (f": {text}" if text else "")
+
+
+class Unavailable(RouterError):
+    """The router cannot serve this request at all right now."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_live_node"
+    outcome = "no_live_node"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+class ShuttingDown(Unavailable):
+    code = "shutting_down"
+    outcome = "shutting_down"
+
+
+class NodeDead(UpstreamError):
+    """The request's engine was found dead; it fails the requests bound to it, and only them."""
+
+    outcome = "node_dead"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=502, code="node_dead")
+
+
+class Aborted(RouterError):
+    """An operator aborted the request (``POST /admin/requests/{id}/abort``)."""
+
+    status = 503
+    type = "aborted"
+    code = "abort"
+    outcome = "aborted"

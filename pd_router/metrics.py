@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .nodes import State
 from .relay import Router
 
 
@@ -20,7 +21,7 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         router = self._router
-        pool = router.pool
+        pool = router.fleet.pool
         requests = CounterMetricFamily(
             "pd_router_requests",
             "Requests finished, by endpoint and outcome.",
@@ -40,20 +41,31 @@ class RouterCollector(Collector):
         yield CounterMetricFamily(
             "pd_router_slot_releases", "Decode slots released since start.", value=pool.released
         )
-        slots = GaugeMetricFamily(
-            "pd_router_decode_slots", "Slots per decode node.", labels=["node", "url"]
-        )
+        labels = ["node", "url", "role"]
+        slots = GaugeMetricFamily("pd_router_node_slots", "Slots per node.", labels=labels)
         in_use = GaugeMetricFamily(
-            "pd_router_decode_slots_in_use",
-            "Reserved slots per decode node.",
-            labels=["node", "url"],
+            "pd_router_node_slots_in_use", "Reserved decode slots per node.", labels=labels
         )
-        for node in pool.nodes:
-            labels = [str(node.id), node.url]
-            slots.add_metric(labels, node.slots)
-            in_use.add_metric(labels, node.in_use)
+        state = GaugeMetricFamily(
+            "pd_router_node_state", "1 for the state each node is in.", labels=[*labels, "state"]
+        )
+        failures = GaugeMetricFamily(
+            "pd_router_node_consecutive_failures", "Failures in a row per node.", labels=labels
+        )
+        for node in router.fleet.nodes:
+            values = [str(node.id), node.url, node.role]
+            slots.add_metric(values, node.slots)
+            in_use.add_metric(values, node.in_use)
+            failures.add_metric(values, node.failures)
+            for each in State:
+                state.add_metric([*values, each.value], float(node.state is each))
         yield slots
         yield in_use
+        yield state
+        yield failures
+        yield GaugeMetricFamily(
+            "pd_router_in_flight", "Requests bound to nodes now.", value=len(router.fleet.bindings)
+        )
 
 
 def registry_for(router: Router) -> CollectorRegistry:

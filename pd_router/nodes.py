@@ -1,10 +1,38 @@
-"""Engine nodes: how they are named on the command line, and which prefill node goes next."""
+"""Engine nodes: identity, state and health bookkeeping, and how they are named on the CLI.
+
+No I/O here: the prober and the relay report what they saw, and a node's state follows
+from it by the rules below.
+
+* ``serving``: picked for new requests. ``draining``: keeps its in-flight requests, gets no
+  new ones. ``dead``: picked by nothing; its requests have been failed.
+* A node dies after ``unhealthy_after`` consecutive failures (probes or real requests), or
+  at once when a real request finds it refusing connections. It is readmitted after
+  ``healthy_after`` consecutive successful probes.
+* Only the engine's own failures count: a 4xx answer, a client hang-up or a request the
+  router cancelled says nothing about the node.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
 from urllib.parse import urlsplit
+
+Role = Literal["prefill", "decode"]
+
+
+class State(str, Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    unhealthy_after: int = 3
+    healthy_after: int = 2
 
 
 @dataclass(eq=False)
@@ -14,12 +42,42 @@ class Node:
     id: int
     url: str
     slots: int
+    role: Role = "decode"
     # Owned by the pool: how many of ``slots`` are reserved right now.
-    in_use: int = field(default=0)
+    in_use: int = 0
+    state: State = State.SERVING
+    failures: int = 0
+    successes: int = 0
+    last_error: str | None = None
+    # Request ids bound to this node right now (the fleet keeps this in step).
+    bound: set[str] = field(default_factory=set)
 
     @property
     def free(self) -> int:
         return self.slots - self.in_use
+
+    @property
+    def serving(self) -> bool:
+        return self.state is State.SERVING
+
+    def failed(self, error: str, policy: HealthPolicy, *, fatal: bool = False) -> bool:
+        """Count a failure; True when this made the node dead."""
+        self.failures += 1
+        self.successes = 0
+        self.last_error = error
+        if self.state is State.DEAD or (not fatal and self.failures < policy.unhealthy_after):
+            return False
+        self.state = State.DEAD
+        return True
+
+    def succeeded(self, policy: HealthPolicy) -> bool:
+        """Count a success; True when this readmitted a dead node."""
+        self.failures = 0
+        self.successes += 1
+        if self.state is not State.DEAD or self.successes < policy.healthy_after:
+            return False
+        self.state = State.SERVING
+        return True
 
 
 def parse_node(spec: str, default_slots: int) -> tuple[str, int]:
@@ -46,24 +104,27 @@ def parse_node(spec: str, default_slots: int) -> tuple[str, int]:
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}", slots
 
 
-def make_nodes(specs: Sequence[str], default_slots: int) -> list[Node]:
+def make_nodes(
+    specs: Sequence[str], default_slots: int, role: Role = "decode", first_id: int = 0
+) -> list[Node]:
     nodes = []
     for index, spec in enumerate(specs):
         url, slots = parse_node(spec, default_slots)
-        nodes.append(Node(id=index, url=url, slots=slots))
+        nodes.append(Node(id=first_id + index, url=url, slots=slots, role=role))
     return nodes
 
 
 class RoundRobin:
-    """Prefill nodes in turn: prefill is short and stateless between requests."""
+    """Prefill nodes in turn, over those serving: prefill is short and keeps no state."""
 
     def __init__(self, nodes: Sequence[Node]) -> None:
-        if not nodes:
-            raise ValueError("at least one node is needed")
         self.nodes = list(nodes)
         self._next = 0
 
-    def pick(self) -> Node:
-        node = self.nodes[self._next % len(self.nodes)]
+    def pick(self, avoid: Node | None = None) -> Node | None:
+        live = [node for node in self.nodes if node.serving and node is not avoid]
+        if not live:
+            return None
+        node = live[self._next % len(live)]
         self._next += 1
         return node

@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from .errors import Busy, QueueTimeout
+from .errors import Busy, QueueTimeout, RouterError, Unavailable
 from .nodes import Node
 
 
@@ -50,17 +50,16 @@ class Reservation:
 
 
 class _Waiter:
-    __slots__ = ("event", "node")
+    __slots__ = ("event", "node", "error")
 
     def __init__(self) -> None:
         self.event = anyio.Event()
         self.node: Node | None = None
+        self.error: RouterError | None = None
 
 
 class DecodePool:
     def __init__(self, nodes: Sequence[Node]) -> None:
-        if not nodes:
-            raise ValueError("the decode pool needs at least one node")
         self.nodes = list(nodes)
         self._waiters: deque[_Waiter] = deque()
         self._next = 0
@@ -77,7 +76,8 @@ class DecodePool:
 
     @property
     def capacity(self) -> int:
-        return sum(node.slots for node in self.nodes)
+        """Slots on the nodes that take new requests."""
+        return sum(node.slots for node in self.nodes if node.serving)
 
     def try_acquire(self) -> Reservation | None:
         """A slot now, or None. Never overtakes a waiter."""
@@ -99,6 +99,8 @@ class DecodePool:
         reservation = self.try_acquire()
         if reservation is not None:
             return reservation
+        if not any(node.serving for node in self.nodes):
+            raise Unavailable("no live decode node")
         if timeout <= 0:
             raise Busy("all decode nodes busy")
         waiter = _Waiter()
@@ -111,6 +113,8 @@ class DecodePool:
             self._abandon(waiter)
             raise
         waited = anyio.current_time() - started
+        if waiter.error is not None:
+            raise waiter.error
         if waiter.node is None:
             # Timed out; a hand-off that raced with the deadline is kept, not wasted.
             self._waiters.remove(waiter)
@@ -126,13 +130,29 @@ class DecodePool:
         finally:
             reservation.release()
 
+    def wake(self) -> None:
+        """Slots appeared (a node was added or readmitted): serve waiters, oldest first."""
+        while self._waiters:
+            node = self._pick()
+            if node is None:
+                return
+            node.in_use += 1
+            self._grant(self._waiters.popleft(), node)
+
+    def fail_waiters(self, error: RouterError) -> None:
+        """Tell every waiter at once, e.g. when no live decode node is left."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.error = error
+            waiter.event.set()
+
     def _pick(self) -> Node | None:
-        """The node with the most free slots; ties go round robin so load spreads evenly."""
+        """The serving node with the most free slots; ties go round robin to spread load."""
         best: Node | None = None
         count = len(self.nodes)
         for offset in range(count):
             node = self.nodes[(self._next + offset) % count]
-            if node.free > 0 and (best is None or node.free > best.free):
+            if node.serving and node.free > 0 and (best is None or node.free > best.free):
                 best = node
         if best is not None:
             self._next = (self.nodes.index(best) + 1) % count
@@ -144,15 +164,18 @@ class DecodePool:
 
     def _hand_over(self, node: Node) -> None:
         """A slot on ``node`` is done with: to the first waiter, else back to the node."""
-        if self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.node = node
-            waiter.event.set()
+        if self._waiters and node.serving:
+            self._grant(self._waiters.popleft(), node)
         else:
             node.in_use -= 1
 
+    @staticmethod
+    def _grant(waiter: _Waiter, node: Node) -> None:
+        waiter.node = node
+        waiter.event.set()
+
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.node is None:
-            self._waiters.remove(waiter)
-        else:
+        if waiter.node is not None:
             self._hand_over(waiter.node)
+        elif waiter.error is None:
+            self._waiters.remove(waiter)

@@ -1,8 +1,9 @@
 """One request, top to bottom: reserve a decode slot -> prefill -> decode -> stream back.
 
 The relay is the request's ASGI response, so the one cleanup point is its own ``__call__``:
-the slot and every upstream connection are released there, in every exit path, including
-a client that left before the first byte (a body generator's ``finally`` would not run).
+the slot, the bindings and every upstream connection are released there, in every exit
+path, including a client that left before the first byte (a body generator's ``finally``
+would not run). The client gets exactly one terminal outcome, sent from there too.
 
 Cancellation contract:
 
@@ -14,12 +15,15 @@ Cancellation contract:
   leaving there must not strand it. If the client is already gone when decode starts, a
   one-token "drain" request is sent instead; either way the wait for the decode engine's
   headers is bounded by ``handoff_grace`` once the client has left.
+* ``fail(error)`` (a node died, an operator aborted, shutdown ran out of time) cancels the
+  relay from outside, shield included; ``error`` becomes the client's terminal outcome.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,26 +32,15 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from . import handshake
-from .errors import RouterError, UpstreamError
-from .nodes import RoundRobin
-from .pool import DecodePool
+from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError
+from .fleet import Binding, Fleet
+from .nodes import Node
 from .response import ClientStream
 from .sse import EventRelay, patch_usage
 from .upstream import Response, Upstream
 from .validation import PATHS, Endpoint
 
 log = logging.getLogger("pd_router")
-
-OUTCOMES = (
-    "ok",
-    "client_aborted",
-    "rejected_busy",
-    "rejected_timeout",
-    "prefill_error",
-    "decode_error",
-    "bad_request",
-    "internal_error",
-)
 
 
 @dataclass
@@ -60,11 +53,22 @@ class Settings:
 class Router:
     """What every request shares."""
 
-    pool: DecodePool
-    prefill: RoundRobin
+    fleet: Fleet
     upstream: Upstream
     settings: Settings = field(default_factory=Settings)
     outcomes: dict[tuple[Endpoint, str], int] = field(default_factory=dict)
+    shutting_down: bool = False
+    # Set by the app's lifespan (an event needs a running loop); SIGTERM sets it.
+    stopping: anyio.Event | None = None
+
+    def begin_shutdown(self) -> None:
+        """New requests get 503 from now on; queued waiters are told at once."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self.fleet.pool.fail_waiters(ShuttingDown("router shutting down"))
+        if self.stopping is not None:
+            self.stopping.set()
 
     def count(self, endpoint: Endpoint, outcome: str) -> None:
         key = (endpoint, outcome)
@@ -79,27 +83,36 @@ class Relay:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
-        self.request_id = request_id
+        self.request_id = router.fleet.unique_id(request_id)
         self.stream = bool(body.get("stream"))
         self.client_gone = False
         self.outcome = "rejected_busy"
+        self.client = ClientStream(self.request_id)
+        self._failure: RouterError | None = None
+        self._scope: anyio.CancelScope | None = None
         self._handoff: anyio.CancelScope | None = None
+        self._open: list[Response] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client = ClientStream(send, self.request_id)
+        client = self.client
+        client.attach(send)
+        error: RouterError | None = None
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                self._scope = tg.cancel_scope
+                tg.start_soon(self._watch, receive)
                 try:
                     await self._run(client)
-                except RouterError as error:
-                    self.outcome = error.outcome or self.outcome
-                    await client.fail(error)
+                except RouterError as exc:
+                    error = exc
                 except Exception:
                     log.exception("request %s failed inside the router", self.request_id)
-                    self.outcome = "internal_error"
-                    await client.fail(RouterError("internal router error"))
+                    error = RouterError("internal router error")
                 tg.cancel_scope.cancel()
+            error = self._failure or error
+            if error is not None:
+                self.outcome = error.outcome or self.outcome
+                await client.fail(error)
         finally:
             # uvicorn also reports a disconnect once a response is complete: only a client
             # that left before its answer was finished abandoned the request.
@@ -107,7 +120,21 @@ class Relay:
                 self.outcome = "client_aborted"
             self.router.count(self.endpoint, self.outcome)
 
-    async def _watch(self, receive: Receive, relay: anyio.CancelScope) -> None:
+    def fail(self, error: RouterError) -> None:
+        if self._failure is not None or self.client.finished:
+            return
+        self._failure = error
+        if self._handoff is not None:
+            self._handoff.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def close_upstream(self) -> None:
+        """Close every engine connection of this request now (the engines abort)."""
+        for response in list(self._open):
+            response.close()
+
+    async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.client_gone = True
@@ -115,12 +142,14 @@ class Relay:
             self._handoff.deadline = min(
                 self._handoff.deadline, anyio.current_time() + self.router.settings.handoff_grace
             )
-        relay.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def _run(self, client: ClientStream) -> None:
         router = self.router
+        fleet = router.fleet
         async with (
-            router.pool.reserve(router.settings.queue_timeout) as reservation,
+            fleet.pool.reserve(router.settings.queue_timeout) as reservation,
             AsyncExitStack() as upstream,
         ):
             node = reservation.node
@@ -131,34 +160,60 @@ class Relay:
                     node.url,
                     self.request_id,
                 )
-            self.outcome = "prefill_error"
-            prefilled = await self._prefill()
-            self.outcome = "decode_error"
-            answer = await self._handoff_to(upstream, node.url + self.path, prefilled)
-            if answer is None or self.client_gone:
-                return
-            if answer.status != 200:
-                raise await answer.error()
-            if self.stream:
-                await self._relay_events(client, answer, prefilled)
-            else:
-                await self._relay_json(client, answer, prefilled)
-            self.outcome = "ok"
+            with fleet.bind(self, node) as binding:
+                self.outcome = "prefill_error"
+                prefilled = await self._prefill(binding)
+                self.outcome = "decode_error"
+                answer = await self._handoff_to(upstream, node, prefilled)
+                if answer is None or self.client_gone:
+                    return
+                if answer.status != 200:
+                    raise await answer.error()
+                if self.stream:
+                    await self._relay_events(client, answer, prefilled)
+                else:
+                    await self._relay_json(client, answer, prefilled)
+                self.outcome = "ok"
 
-    async def _prefill(self) -> handshake.Prefilled:
-        url = self.router.prefill.pick().url + self.path
-        body = handshake.prefill_body(self.body)
-        async with self.router.upstream.post(url, body, self.request_id) as answer:
-            if answer.status != 200:
-                raise await answer.error()
-            raw = await answer.read()
+    async def _prefill(self, binding: Binding) -> handshake.Prefilled:
+        """Prefill on the next live node; once more on another one if that engine failed."""
+        prefill = self.router.fleet.prefill
+        first = prefill.pick()
+        if first is None:
+            raise Unavailable("no live prefill node")
         try:
-            return handshake.Prefilled(orjson.loads(raw))
-        except orjson.JSONDecodeError:
-            raise UpstreamError(f"{url}: prefill answer is not JSON") from None
+            return await self._prefill_on(first, binding)
+        except UpstreamError as error:
+            second = prefill.pick(avoid=first) if error.engine_fault else None
+            if second is None:
+                raise
+            log.warning(
+                "prefill node %s failed (%s), retrying on node %s request_id=%s",
+                first.id,
+                error.message,
+                second.id,
+                self.request_id,
+            )
+            return await self._prefill_on(second, binding)
+
+    async def _prefill_on(self, node: Node, binding: Binding) -> handshake.Prefilled:
+        fleet = self.router.fleet
+        body = handshake.prefill_body(self.body)
+        fleet.set_prefill(binding, node)
+        try:
+            async with self._exchange(node, body) as answer:
+                if answer.status != 200:
+                    raise await answer.error()
+                raw = await answer.read()
+                try:
+                    return handshake.Prefilled(orjson.loads(raw))
+                except orjson.JSONDecodeError:
+                    raise UpstreamError(f"{answer.url}: prefill answer is not JSON") from None
+        finally:
+            fleet.set_prefill(binding, None)
 
     async def _handoff_to(
-        self, upstream: AsyncExitStack, url: str, prefilled: handshake.Prefilled
+        self, upstream: AsyncExitStack, node: Node, prefilled: handshake.Prefilled
     ) -> Response | None:
         """Send the decode request; shielded until the decode engine has taken it.
 
@@ -174,8 +229,7 @@ class Relay:
                     body = handshake.drain_body(self.body, params)
                 else:
                     body = handshake.decode_body(self.body, params)
-                post = self.router.upstream.post(url, body, self.request_id)
-                answer = await upstream.enter_async_context(post)
+                answer = await upstream.enter_async_context(self._exchange(node, body))
                 if drain and answer.status == 200:
                     # Read the drain's one token: by then the KV has been pulled.
                     await answer.read()
@@ -183,6 +237,26 @@ class Relay:
             finally:
                 self._handoff = None
         return None
+
+    @asynccontextmanager
+    async def _exchange(self, node: Node, body: dict[str, Any]) -> AsyncIterator[Response]:
+        """One request to ``node``, with what it says about the node's health recorded."""
+        fleet = self.router.fleet
+        try:
+            async with self.router.upstream.post(
+                node.url + self.path, body, self.request_id
+            ) as answer:
+                self._open.append(answer)
+                try:
+                    yield answer
+                finally:
+                    self._open.remove(answer)
+        except UpstreamError as error:
+            # Our own hang-ups and aborts say nothing about the engine.
+            if error.engine_fault and self._failure is None and not self.client_gone:
+                fleet.failed(node, error.message, fatal=error.unreachable)
+            raise
+        fleet.succeeded(node)
 
     async def _relay_events(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled

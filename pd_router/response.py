@@ -6,7 +6,7 @@ error event then ``[DONE]``. Either way the client gets exactly one terminal out
 
 from __future__ import annotations
 
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from .errors import RouterError
 from .sse import error_event
@@ -27,13 +27,20 @@ def json_headers(length: int, extra: dict[str, str] | None = None) -> list[tuple
     return headers
 
 
+async def _unattached(message: Message) -> None:
+    raise RuntimeError("ClientStream.attach() was not called")
+
+
 class ClientStream:
-    def __init__(self, send: Send, request_id: str) -> None:
-        self._send = send
+    def __init__(self, request_id: str) -> None:
+        self._send: Send = _unattached
         self._id_header = (b"x-request-id", request_id.encode())
         self.started = False
         self.finished = False
         self.bytes_sent = 0
+
+    def attach(self, send: Send) -> None:
+        self._send = send
 
     async def respond(
         self, status: int, body: bytes, headers: dict[str, str] | None = None

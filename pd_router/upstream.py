@@ -33,6 +33,13 @@ class Response:
         self._raw = raw
         self.url = url
 
+    def close(self) -> None:
+        """Drop the connection unless the response was read to its end: the engine aborts.
+
+        Synchronous, so it also runs in a cancelled scope.
+        """
+        self._raw.close()
+
     async def read(self) -> bytes:
         try:
             return await self._raw.read()
@@ -93,14 +100,24 @@ class Upstream:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         try:
             raw = await self.session.post(url, data=orjson.dumps(body), headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(f"{url}: unreachable: {_describe(exc)}", unreachable=True) from None
         except _FAILURES as exc:
-            raise UpstreamError(f"{url}: unreachable: {_describe(exc)}") from None
+            raise UpstreamError(f"{url}: no answer: {_describe(exc)}") from None
+        response = Response(raw, url)
         try:
-            yield Response(raw, url)
+            yield response
         finally:
-            # Synchronous, so it runs even in a cancelled scope; a no-op for a response
-            # read to its end (its connection was already handed back for reuse).
-            raw.close()
+            response.close()
+
+    async def probe(self, url: str, timeout: float) -> str | None:
+        """GET ``url``: None when it answered 200 in time, else what went wrong."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as raw:
+                await raw.read()
+                return None if raw.status == 200 else f"health check answered {raw.status}"
+        except _FAILURES as exc:
+            return f"health check failed: {_describe(exc)}"
 
     async def get_json(self, url: str) -> Any:
         try:

@@ -47,7 +47,7 @@ class RouterProcess(ServerProcess):
 
     def in_use(self) -> float:
         return sum(
-            v for k, v in self.metrics().items() if k.startswith("pd_router_decode_slots_in_use")
+            v for k, v in self.metrics().items() if k.startswith("pd_router_node_slots_in_use")
         )
 
     def assert_idle(self) -> None:

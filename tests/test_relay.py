@@ -14,8 +14,8 @@ import anyio
 import orjson
 import pytest
 
-from pd_router.nodes import Node, RoundRobin
-from pd_router.pool import DecodePool
+from pd_router.fleet import Fleet
+from pd_router.nodes import Node
 from pd_router.relay import Relay, Router, Settings
 
 pytestmark = pytest.mark.anyio
@@ -87,9 +87,12 @@ class Client:
 
 
 def make_router(upstream: ScriptedUpstream, grace: float = 5.0) -> Router:
+    fleet = Fleet(
+        [Node(id=0, url="http://prefill", slots=1, role="prefill")],
+        [Node(id=1, url="http://decode", slots=1)],
+    )
     return Router(
-        pool=DecodePool([Node(id=0, url="http://decode", slots=1)]),
-        prefill=RoundRobin([Node(id=0, url="http://prefill", slots=1)]),
+        fleet=fleet,
         upstream=upstream,  # type: ignore[arg-type]
         settings=Settings(handoff_grace=grace),
     )
@@ -111,7 +114,7 @@ async def test_a_whole_request_releases_its_slot_and_reports_prefill_usage() -> 
         "http://decode/v1/completions"
     ]
     assert upstream.sent[1][1] == {**BODY, "kv_transfer_params": KV}
-    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
     assert router.outcomes == {("completions", "ok"): 1}
 
 
@@ -135,7 +138,7 @@ async def test_client_gone_as_prefill_answers_still_hands_the_kv_over() -> None:
     assert drain["kv_transfer_params"] == KV
     assert all(response.closed for response in upstream.responses)
     assert client.messages == [], "nothing is sent to a client that left"
-    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
     assert router.outcomes == {("completions", "client_aborted"): 1}
 
 
@@ -158,7 +161,7 @@ async def test_a_decode_engine_that_never_takes_the_kv_is_dropped_after_the_grac
         started = anyio.current_time()
         client.gone.set()
     assert 0.15 < anyio.current_time() - started < 2
-    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
     assert router.outcomes == {("completions", "client_aborted"): 1}
 
 
@@ -178,4 +181,4 @@ async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() 
     assert upstream.sent[1][1]["stream"] is True, "the real decode request, not a drain"
     assert all(response.closed for response in upstream.responses)
     assert client.messages == []
-    assert router.pool.in_use == 0 and router.pool.released == 1
+    assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1

@@ -1,0 +1,132 @@
+"""The admin API (mounted only when ``--admin-token`` is set): fleet state, add / drain /
+remove nodes, abort a request by id. Every route checks the bearer token in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .errors import Aborted, BadRequest, RouterError
+from .nodes import Node, parse_node
+from .relay import Relay, Router
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _json(document: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(document), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str, code: str) -> Response:
+    error = {"message": message, "type": "admin_error", "param": None, "code": code}
+    return _json({"error": error}, status)
+
+
+def node_view(node: Node) -> dict[str, Any]:
+    return {
+        "id": node.id,
+        "url": node.url,
+        "role": node.role,
+        "state": node.state.value,
+        "slots": node.slots,
+        "in_use": node.in_use,
+        "bound_requests": sorted(node.bound),
+        "consecutive_failures": node.failures,
+        "last_error": node.last_error,
+    }
+
+
+def admin_routes(router: Router, token: str) -> list[Route]:
+    fleet = router.fleet
+    expected = f"Bearer {token}".encode()
+
+    def guarded(handler: Handler) -> Handler:
+        async def check(request: Request) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "a valid admin bearer token is required", "unauthorized")
+            return await handler(request)
+
+        return check
+
+    def find(request: Request) -> Node | None:
+        try:
+            return fleet.node(int(request.path_params["node_id"]))
+        except ValueError:
+            return None
+
+    async def list_nodes(request: Request) -> Response:
+        return _json(
+            {
+                "nodes": [node_view(node) for node in fleet.nodes],
+                "serving_view": fleet.serving_view(),
+                "queue_depth": fleet.pool.queue_depth,
+                "in_flight": len(fleet.bindings),
+                "shutting_down": router.shutting_down,
+            }
+        )
+
+    async def add_node(request: Request) -> Response:
+        try:
+            spec = orjson.loads(await request.body())
+            if not isinstance(spec, dict) or spec.get("role") not in ("prefill", "decode"):
+                raise BadRequest('expected {"url": ..., "role": "prefill"|"decode", "slots": N}')
+            slots = spec.get("slots", 1)
+            if not isinstance(slots, int) or isinstance(slots, bool):
+                raise BadRequest("'slots' must be a whole number")
+            url, slots = parse_node(str(spec.get("url", "")), slots)
+        except (orjson.JSONDecodeError, ValueError, RouterError) as exc:
+            return _error(400, getattr(exc, "message", str(exc)), "bad_node")
+        node = fleet.add(url, spec["role"], slots)
+        return _json(node_view(node), 201)
+
+    async def drain_node(request: Request) -> Response:
+        node = find(request)
+        if node is None:
+            return _error(404, "no such node", "not_found")
+        fleet.drain(node)
+        # Accepted, not done: in-flight requests finish in their own time.
+        return _json(node_view(node), 202)
+
+    async def remove_node(request: Request) -> Response:
+        node = find(request)
+        if node is None:
+            return _error(404, "no such node", "not_found")
+        try:
+            fleet.remove(node, force=request.query_params.get("force") == "true")
+        except ValueError as exc:
+            return _error(409, str(exc), "not_drained")
+        return _json({"removed": node.id})
+
+    async def abort_request(request: Request) -> Response:
+        rid = request.path_params["request_id"]
+        binding = fleet.bindings.get(rid)
+        if binding is None or not isinstance(binding.handle, Relay):
+            return _error(404, f"no request {rid!r} in flight", "not_found")
+        relay = binding.handle
+        # 1. Collect what the client has had (read-only).
+        partial = {"bytes_sent": relay.client.bytes_sent, "streaming": relay.client.started}
+        # 2. Make the engines stop. If that fails, nothing is committed: the binding stays
+        #    and the abort can be retried.
+        try:
+            relay.close_upstream()
+        except Exception as exc:
+            return _error(502, f"closing the engine streams failed: {exc}", "abort_failed")
+        # 3. Commit: one terminal "abort" outcome to the client; slot and bindings released.
+        relay.fail(Aborted("request aborted by an operator"))
+        return _json({"id": rid, "aborted": True, **partial})
+
+    return [
+        Route("/admin/nodes", guarded(list_nodes), methods=["GET"]),
+        Route("/admin/nodes", guarded(add_node), methods=["POST"]),
+        Route("/admin/nodes/{node_id}/drain", guarded(drain_node), methods=["POST"]),
+        Route("/admin/nodes/{node_id}", guarded(remove_node), methods=["DELETE"]),
+        Route("/admin/requests/{request_id}/abort", guarded(abort_request), methods=["POST"]),
+    ]
