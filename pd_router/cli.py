@@ -105,9 +105,12 @@ class _Server(uvicorn.Server):
         self._router = router
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+    async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        await super()._serve(sockets)
+        # uvicorn re-raises the signal it stopped on, so the exit status would say "killed";
+        # a shutdown that drained gracefully is a success (exit 0) for the orchestrator.
+        self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler runs between any two bytecodes: hand the work to the loop.

@@ -83,9 +83,15 @@ class Fleet:
             yield binding
         finally:
             self.set_prefill(binding, None)
-            decode.bound.discard(rid)
+            binding.decode.bound.discard(rid)
             if self.bindings.get(rid) is binding:
                 del self.bindings[rid]
+
+    def set_decode(self, binding: Binding, node: Node) -> None:
+        rid = binding.handle.request_id
+        binding.decode.bound.discard(rid)
+        binding.decode = node
+        node.bound.add(rid)
 
     def set_prefill(self, binding: Binding, node: Node | None) -> None:
         rid = binding.handle.request_id

@@ -35,6 +35,7 @@ from . import handshake
 from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError
 from .fleet import Binding, Fleet
 from .nodes import Node
+from .pool import Reservation
 from .response import ClientStream
 from .sse import EventRelay, patch_usage
 from .upstream import Response, Upstream
@@ -148,32 +149,60 @@ class Relay:
     async def _run(self, client: ClientStream) -> None:
         router = self.router
         fleet = router.fleet
-        async with (
-            fleet.pool.reserve(router.settings.queue_timeout) as reservation,
-            AsyncExitStack() as upstream,
-        ):
-            node = reservation.node
+        # One stack, unwound in reverse: engine connections closed, bindings removed, slot
+        # released. ``enter_async_context`` registers the release with no checkpoint after
+        # the reservation is made (see pool.py).
+        async with AsyncExitStack() as held:
+            reservation = await held.enter_async_context(
+                fleet.pool.reserve(router.settings.queue_timeout)
+            )
             if reservation.waited > 0.1:
                 log.info(
                     "queued %.1fs for decode node %s request_id=%s",
                     reservation.waited,
-                    node.url,
+                    reservation.node.url,
                     self.request_id,
                 )
-            with fleet.bind(self, node) as binding:
-                self.outcome = "prefill_error"
-                prefilled = await self._prefill(binding)
-                self.outcome = "decode_error"
-                answer = await self._handoff_to(upstream, node, prefilled)
-                if answer is None or self.client_gone:
-                    return
-                if answer.status != 200:
-                    raise await answer.error()
-                if self.stream:
-                    await self._relay_events(client, answer, prefilled)
-                else:
-                    await self._relay_json(client, answer, prefilled)
-                self.outcome = "ok"
+            binding = held.enter_context(fleet.bind(self, reservation.node))
+            self.outcome = "prefill_error"
+            prefilled = await self._prefill(binding)
+            self.outcome = "decode_error"
+            answer = await self._decode(held, binding, reservation, prefilled)
+            if answer is None or self.client_gone:
+                return
+            if answer.status != 200:
+                raise await answer.error()
+            if self.stream:
+                await self._relay_events(client, answer, prefilled)
+            else:
+                await self._relay_json(client, answer, prefilled)
+            self.outcome = "ok"
+
+    async def _decode(
+        self,
+        held: AsyncExitStack,
+        binding: Binding,
+        reservation: Reservation,
+        prefilled: handshake.Prefilled,
+    ) -> Response | None:
+        try:
+            return await self._handoff_to(held, binding.decode, prefilled)
+        except UpstreamError as error:
+            if not error.unreachable:
+                raise
+            refused = error
+        # Nothing reached that engine and the KV still waits on the prefill engine: any
+        # other decode node with a free slot can take it, now.
+        pool = self.router.fleet.pool
+        reservation.release()
+        other = pool.try_acquire()
+        if other is None:
+            if not any(node.serving for node in pool.nodes):
+                raise Unavailable("no live decode node")
+            raise refused
+        held.callback(other.release)
+        self.router.fleet.set_decode(binding, other.node)
+        return await self._handoff_to(held, other.node, prefilled)
 
     async def _prefill(self, binding: Binding) -> handshake.Prefilled:
         """Prefill on the next live node; once more on another one if that engine failed."""
@@ -213,7 +242,7 @@ class Relay:
             fleet.set_prefill(binding, None)
 
     async def _handoff_to(
-        self, upstream: AsyncExitStack, node: Node, prefilled: handshake.Prefilled
+        self, held: AsyncExitStack, node: Node, prefilled: handshake.Prefilled
     ) -> Response | None:
         """Send the decode request; shielded until the decode engine has taken it.
 
@@ -229,7 +258,7 @@ class Relay:
                     body = handshake.drain_body(self.body, params)
                 else:
                     body = handshake.decode_body(self.body, params)
-                answer = await upstream.enter_async_context(self._exchange(node, body))
+                answer = await held.enter_async_context(self._exchange(node, body))
                 if drain and answer.status == 200:
                     # Read the drain's one token: by then the KV has been pulled.
                     await answer.read()

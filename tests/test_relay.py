@@ -14,6 +14,7 @@ import anyio
 import orjson
 import pytest
 
+from pd_router.errors import UpstreamError
 from pd_router.fleet import Fleet
 from pd_router.nodes import Node
 from pd_router.relay import Relay, Router, Settings
@@ -34,6 +35,12 @@ class ScriptedResponse:
         self._body = body
         self._before_read = before_read
         self.closed = False
+        self.close_error: Exception | None = None
+
+    def close(self) -> None:
+        if self.close_error is not None:
+            raise self.close_error
+        self.closed = True
 
     async def read(self) -> bytes:
         await self._before_read()
@@ -41,6 +48,9 @@ class ScriptedResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         yield self._body
+
+    async def error(self) -> UpstreamError:
+        return UpstreamError(f"{self.url}: HTTP {self.status}", status=self.status)
 
 
 async def nothing() -> None:
@@ -55,6 +65,9 @@ class ScriptedUpstream:
         self.responses: list[ScriptedResponse] = []
         self.on_prefill_read: Callable[[], Awaitable[None]] = nothing
         self.decode_headers: Callable[[], Awaitable[None]] = nothing
+        self.on_decode_read: Callable[[], Awaitable[None]] = nothing
+        self.status: dict[str, int] = {}
+        self.close_error: Exception | None = None
 
     @asynccontextmanager
     async def post(self, url: str, body: Any, request_id: str) -> AsyncIterator[ScriptedResponse]:
@@ -63,7 +76,9 @@ class ScriptedUpstream:
             response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
         else:
             await self.decode_headers()
-            response = ScriptedResponse(url, DECODE_ANSWER, nothing)
+            response = ScriptedResponse(url, DECODE_ANSWER, self.on_decode_read)
+        response.status = self.status.get(url.split("/v1")[0], 200)
+        response.close_error = self.close_error
         self.responses.append(response)
         try:
             yield response
@@ -86,10 +101,10 @@ class Client:
         self.messages.append(message)
 
 
-def make_router(upstream: ScriptedUpstream, grace: float = 5.0) -> Router:
+def make_router(upstream: ScriptedUpstream, grace: float = 5.0, prefills: int = 1) -> Router:
     fleet = Fleet(
-        [Node(id=0, url="http://prefill", slots=1, role="prefill")],
-        [Node(id=1, url="http://decode", slots=1)],
+        [Node(id=i, url=f"http://prefill{i}", slots=1, role="prefill") for i in range(prefills)],
+        [Node(id=prefills, url="http://decode", slots=1)],
     )
     return Router(
         fleet=fleet,
@@ -110,7 +125,7 @@ async def test_a_whole_request_releases_its_slot_and_reports_prefill_usage() -> 
     )
     body = orjson.loads(client.messages[-1]["body"])
     assert body["usage"] == {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
-    assert [url for url, _ in upstream.sent] == ["http://prefill/v1/completions"] + [
+    assert [url for url, _ in upstream.sent] == ["http://prefill0/v1/completions"] + [
         "http://decode/v1/completions"
     ]
     assert upstream.sent[1][1] == {**BODY, "kv_transfer_params": KV}
@@ -182,3 +197,69 @@ async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() 
     assert all(response.closed for response in upstream.responses)
     assert client.messages == []
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
+
+
+async def test_prefill_retries_once_on_another_node_after_an_engine_failure() -> None:
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 503
+    router = make_router(upstream, prefills=2)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r5")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert [url for url, _ in upstream.sent] == [
+        "http://prefill0/v1/completions",
+        "http://prefill1/v1/completions",
+        "http://decode/v1/completions",
+    ]
+    assert client.messages[0]["status"] == 200
+    p0, p1 = router.fleet.prefill.nodes
+    assert p0.failures == 1 and p1.failures == 0
+    assert router.fleet.pool.in_use == 0
+
+
+async def test_an_engine_4xx_is_passed_on_and_does_not_count_against_the_node() -> None:
+    upstream = ScriptedUpstream()
+    upstream.status["http://decode"] = 400
+    router = make_router(upstream)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r6")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert client.messages[0]["status"] == 400
+    assert all(node.failures == 0 for node in router.fleet.nodes)
+    assert router.outcomes == {("completions", "decode_error"): 1}
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+async def test_abort_is_two_phase_and_keeps_the_binding_when_closing_upstream_fails() -> None:
+    from pd_router.errors import Aborted
+
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+    reading = anyio.Event()
+
+    async def generate_forever() -> None:
+        reading.set()
+        await anyio.sleep(3600)
+
+    upstream.on_decode_read = generate_forever
+    upstream.close_error = OSError("injected: cannot close")
+    relay = Relay(router, "completions", dict(BODY), "r7")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(relay, {}, client.receive, client.send)
+        await reading.wait()
+        with pytest.raises(OSError):
+            relay.close_upstream()
+        assert "r7" in router.fleet.bindings, "nothing committed: the abort can be retried"
+        assert client.messages == [] and router.fleet.pool.in_use == 1
+        for response in relay._open:
+            response.close_error = None
+        relay.close_upstream()
+        assert all(response.closed for response in upstream.responses)
+        relay.fail(Aborted("request aborted by an operator"))
+    body = orjson.loads(client.messages[-1]["body"])
+    assert body["error"]["code"] == "abort"
+    assert router.fleet.bindings == {} and router.fleet.pool.in_use == 0
+    assert router.outcomes == {("completions", "aborted"): 1}

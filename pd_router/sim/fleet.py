@@ -129,19 +129,29 @@ class ServerProcess:
                 )
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Terminate this engine's PID, kill it if it lingers past ``timeout``, and reap it."""
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Terminate this PID, kill it if it lingers past ``timeout``, reap it; its exit code."""
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=timeout)
+                code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
+                code = process.wait()
         if not self._keep_log and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL this PID, as a crash would, and reap it; the log is kept for a restart."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
 
     def __enter__(self) -> Self:
         self.start()

@@ -1,0 +1,300 @@
+"""Fault isolation and a live fleet, end to end: real router, simulated engines killed,
+restarted, drained and added while requests stream."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pd_router.sim.fleet import EngineProcess, SimFleet
+from tests.helpers import RouterProcess, wait_for
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
+
+
+def echo(prompt: str, tokens: int) -> str:
+    words = prompt.split()
+    return "".join(" " + words[i % len(words)] for i in range(tokens))
+
+
+def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
+    return RouterProcess(
+        [e.url for e in fleet.prefill],
+        [e.url for e in fleet.decode],
+        "--admin-token",
+        TOKEN,
+        *FAST_HEALTH,
+        *args,
+    )
+
+
+def admin(router: RouterProcess, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.request(method, f"{router.url}/admin{path}", headers=AUTH, timeout=10, **kwargs)
+
+
+def node_states(router: RouterProcess) -> dict[int, str]:
+    return {n["id"]: n["state"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
+
+
+class Stream(threading.Thread):
+    """One streaming client in a thread; keeps every SSE event it received."""
+
+    def __init__(self, router: RouterProcess, prompt: str, tokens: int, rid: str) -> None:
+        super().__init__(daemon=True)
+        self.router, self.prompt, self.tokens, self.rid = router, prompt, tokens, rid
+        self.events: list[str] = []
+        self.status = 0
+        self.failure: Exception | None = None
+
+    def run(self) -> None:
+        body = {"model": "sim-model", "prompt": self.prompt, "max_tokens": self.tokens}
+        try:
+            with httpx.stream(
+                "POST",
+                f"{self.router.url}/v1/completions",
+                json={**body, "stream": True},
+                headers={"X-Request-Id": self.rid},
+                timeout=30,
+            ) as response:
+                self.status = response.status_code
+                buffer = ""
+                for text in response.iter_text():
+                    buffer += text
+                    *done, buffer = buffer.split("\n\n")
+                    self.events.extend(done)
+        except Exception as exc:  # the test asserts there are none
+            self.failure = exc
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            json.loads(e[6:])["choices"][0]["text"] for e in self.events if '"choices"' in e
+        )
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [json.loads(e[6:])["error"] for e in self.events if e.startswith('data: {"error"')]
+
+    def completed(self) -> bool:
+        return self.status == 200 and self.events[-1:] == ["data: [DONE]"] and not self.errors
+
+
+@pytest.fixture
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=2, decode_args=["--slots", "64", "--itl", "0.05"]) as fleet:
+        yield fleet
+
+
+def test_a_dead_decode_engine_fails_only_its_own_streams(fleet: SimFleet) -> None:
+    with router_for(fleet, "--decode-slots", "8") as router:
+        streams = [Stream(router, f"w{i} x{i} y{i}", 60, f"s{i}") for i in range(16)]
+        for stream in streams:
+            stream.start()
+        wait_for(lambda: all(d.stats()["active"] == 8 for d in fleet.decode), what="8 + 8")
+        nodes = admin(router, "GET", "/nodes").json()["nodes"]
+        victim_node = next(n for n in nodes if n["url"] == fleet.decode[0].url)
+        on_victim = set(victim_node["bound_requests"])
+        assert len(on_victim) == 8
+        fleet.decode[0].kill()
+        for stream in streams:
+            stream.join(30)
+        for stream in streams:
+            assert stream.failure is None and stream.status == 200, (
+                stream.rid,
+                stream.rid in on_victim,
+                stream.events[-2:],
+                router.log()[-2000:],
+            )
+            if stream.rid in on_victim:
+                assert len(stream.errors) == 1, stream.events
+                assert stream.events[-1] == "data: [DONE]"
+                assert stream.events.count("data: [DONE]") == 1
+            else:
+                assert stream.completed(), stream.events
+                assert stream.text == echo(stream.prompt, 60)
+        router.assert_idle()
+        wait_for(lambda: node_states(router)[victim_node["id"]] == "dead", what="victim dead")
+        assert admin(router, "GET", "/nodes").json()["in_flight"] == 0
+        survivor = fleet.decode[1]
+        before = survivor.stats()["completed"]
+        for i in range(4):
+            answer = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": "sim-model", "prompt": f"after {i}", "max_tokens": 2},
+                timeout=10,
+            )
+            assert answer.status_code == 200
+        assert survivor.stats()["completed"] == before + 4, "the dead node is not picked"
+        fleet.decode[0].start().wait_healthy()
+        wait_for(lambda: node_states(router)[victim_node["id"]] == "serving", what="readmission")
+        for i in range(4):
+            httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": "sim-model", "prompt": f"back {i}", "max_tokens": 2},
+                timeout=10,
+            ).raise_for_status()
+        assert fleet.decode[0].stats()["completed"] > 0, "the readmitted node takes traffic"
+
+
+def test_with_no_live_decode_node_queued_requests_fail_at_once(fleet: SimFleet) -> None:
+    # One failure is enough here: the holder's broken stream must mark the node dead before
+    # its slot could be handed to a waiter (with a higher threshold that waiter would be
+    # bound to the dying node and get that node's 502 instead).
+    with RouterProcess(
+        [fleet.prefill[0].url],
+        [fleet.decode[0].url],
+        *FAST_HEALTH,
+        "--unhealthy-after",
+        "1",
+        "--queue-timeout",
+        "60",
+    ) as router:
+        holder = Stream(router, "hold it", 100, "holder")
+        holder.start()
+        wait_for(lambda: router.in_use() == 1, what="the holder's slot")
+        results: list[httpx.Response] = []
+
+        def queued() -> None:
+            body = {"model": "sim-model", "prompt": "q", "max_tokens": 2}
+            results.append(httpx.post(f"{router.url}/v1/completions", json=body, timeout=60))
+
+        waiters = [threading.Thread(target=queued) for _ in range(3)]
+        for waiter in waiters:
+            waiter.start()
+        wait_for(lambda: router.metrics()["pd_router_queue_depth"] == 3, what="3 waiters")
+        killed = time.monotonic()
+        fleet.decode[0].kill()
+        for waiter in waiters:
+            waiter.join(30)
+        assert time.monotonic() - killed < 10, "told at once, not after the 60 s queue timeout"
+        assert [r.status_code for r in results] == [503, 503, 503], [r.text for r in results]
+        assert results[0].json()["error"]["message"] == "no live decode node"
+        holder.join(10)
+        assert len(holder.errors) == 1
+        fresh = httpx.post(
+            f"{router.url}/v1/completions", json={"model": "sim-model", "prompt": "x"}, timeout=10
+        )
+        assert fresh.status_code == 503
+        assert httpx.get(f"{router.url}/health").status_code == 503
+        router.assert_idle()
+
+
+def test_an_engine_400_leaves_the_node_healthy(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        for engine in fleet.decode:
+            engine.configure(fail_status=400, fail_message="This model's maximum context length")
+        for _ in range(5):
+            answer = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": "sim-model", "prompt": "too long"},
+                timeout=10,
+            )
+            assert answer.status_code == 400
+        nodes = admin(router, "GET", "/nodes").json()["nodes"]
+        assert all(n["state"] == "serving" and n["consecutive_failures"] == 0 for n in nodes)
+
+
+def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
+    with router_for(fleet, "--decode-slots", "8") as router:
+        d0, d1 = fleet.decode
+        ids = {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
+        early = [Stream(router, f"early {i}", 40, f"e{i}") for i in range(4)]
+        for stream in early:
+            stream.start()
+        wait_for(lambda: d0.stats()["active"] == 2 and d1.stats()["active"] == 2, what="2 + 2")
+        drained = admin(router, "POST", f"/nodes/{ids[d0.url]}/drain")
+        assert drained.status_code == 202 and drained.json()["state"] == "draining"
+        assert admin(router, "DELETE", f"/nodes/{ids[d0.url]}").status_code == 409
+        late = [Stream(router, f"late {i}", 4, f"l{i}") for i in range(6)]
+        for stream in late:
+            stream.start()
+        for stream in [*early, *late]:
+            stream.join(30)
+            assert stream.completed(), stream.events
+        assert d0.stats()["requests"] == 2, "no new request landed on the draining node"
+        assert admin(router, "DELETE", f"/nodes/{ids[d0.url]}").status_code == 200
+        with EngineProcess("decode", ["--slots", "8"]) as d2:
+            added = admin(
+                router, "POST", "/nodes", json={"url": d2.url, "role": "decode", "slots": 8}
+            )
+            assert added.status_code == 201
+            new_id = added.json()["id"]
+            assert new_id not in ids.values()
+            after = {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
+            assert after == {**{u: i for u, i in ids.items() if u != d0.url}, d2.url: new_id}
+            for i in range(6):
+                httpx.post(
+                    f"{router.url}/v1/completions",
+                    json={"model": "sim-model", "prompt": f"n {i}", "max_tokens": 2},
+                    timeout=10,
+                ).raise_for_status()
+            assert d2.stats()["completed"] > 0
+        router.assert_idle()
+
+
+def test_abort_by_id_mid_stream(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        stream = Stream(router, "abort this one", 200, "abort-me")
+        stream.start()
+        wait_for(lambda: len(stream.events) >= 3, what="a few events")
+        answer = admin(router, "POST", "/requests/abort-me/abort")
+        assert answer.status_code == 200 and answer.json()["aborted"] is True
+        assert answer.json()["bytes_sent"] > 0
+        stream.join(10)
+        assert [e["code"] for e in stream.errors] == ["abort"]
+        assert stream.events[-1] == "data: [DONE]"
+        wait_for(lambda: sum(d.stats()["aborted"] for d in fleet.decode) == 1, what="engine abort")
+        router.assert_idle()
+        assert admin(router, "POST", "/requests/abort-me/abort").status_code == 404
+
+
+def test_admin_needs_its_token(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        assert httpx.get(f"{router.url}/admin/nodes").status_code == 401
+        wrong = httpx.get(f"{router.url}/admin/nodes", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+    with RouterProcess([fleet.prefill[0].url], [fleet.decode[0].url]) as router:
+        assert httpx.get(f"{router.url}/admin/nodes", headers=AUTH).status_code == 404
+
+
+def test_sigterm_lets_streams_finish_and_refuses_new_requests(fleet: SimFleet) -> None:
+    router = router_for(fleet, "--decode-slots", "4", "--shutdown-timeout", "20")
+    with router:
+        streams = [Stream(router, f"finish {i}", 40, f"t{i}") for i in range(3)]
+        for stream in streams:
+            stream.start()
+        wait_for(lambda: router.in_use() == 3, what="3 streams")
+        assert router.pid is not None
+        router._process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "x"})
+        for stream in streams:
+            stream.join(30)
+            assert stream.completed(), stream.events
+            assert stream.text == echo(stream.prompt, 40)
+        assert router.stop(timeout=10) == 0
+
+
+def test_sigterm_ends_stragglers_with_one_error_each(fleet: SimFleet) -> None:
+    router = router_for(fleet, "--decode-slots", "4", "--shutdown-timeout", "0.5")
+    with router:
+        streams = [Stream(router, f"long {i}", 400, f"u{i}") for i in range(2)]
+        for stream in streams:
+            stream.start()
+        wait_for(lambda: router.in_use() == 2, what="2 streams")
+        router._process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        for stream in streams:
+            stream.join(15)
+            assert [e["code"] for e in stream.errors] == ["shutting_down"]
+            assert stream.events[-1] == "data: [DONE]"
+        assert router.stop(timeout=10) == 0
