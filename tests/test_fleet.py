@@ -75,7 +75,7 @@ async def test_failures_count_up_to_the_threshold_and_successes_reset_them() -> 
 async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() -> None:
     fleet = make_fleet(decode=1)
     held = await fleet.pool.acquire(0)
-    failures: list[BaseException] = []
+    failures: list[Unavailable] = []
 
     async def waiter() -> None:
         try:
@@ -90,7 +90,7 @@ async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() 
             while fleet.pool.queue_depth < 3:
                 await anyio.sleep(0)
             fleet.failed(fleet.pool.nodes[0], "refused", fatal=True)
-    assert len(failures) == 3 and all(e.status == 503 for e in failures)  # type: ignore[attr-defined]
+    assert len(failures) == 3 and all(e.status == 503 for e in failures)
     assert str(failures[0]) == "no live decode node"
     with pytest.raises(Unavailable):
         await fleet.pool.acquire(60)
