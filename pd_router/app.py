@@ -20,7 +20,6 @@ from starlette.types import Receive, Scope, Send
 from .admin import admin_routes
 from .errors import PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe_forever
-from .metrics import registry_for
 from .relay import Relay, Router
 from .validation import PATHS, Endpoint, parse_body, request_id
 
@@ -49,13 +48,13 @@ class OpenAIRoute:
                 raise ShuttingDown("router shutting down")
             body = parse_body(await _read_body(request, self.max_body_bytes), self.endpoint)
         except RouterError as error:
-            self.router.count(self.endpoint, error.outcome or "bad_request")
+            self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
             response = error_response(error)
             response.headers["x-request-id"] = rid
             await response(scope, receive, send)
             return
         except ClientDisconnect:
-            self.router.count(self.endpoint, "client_aborted")
+            self.router.telemetry.count(self.endpoint, "client_aborted")
             return
         await Relay(self.router, self.endpoint, body, rid)(scope, receive, send)
 
@@ -71,7 +70,7 @@ class AppOptions:
 
 def create_app(router: Router, options: AppOptions | None = None) -> Starlette:
     options = options or AppOptions()
-    registry = registry_for(router)
+    registry = router.telemetry.registry
     fleet = router.fleet
 
     async def models(request: Request) -> Response:

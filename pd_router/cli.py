@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from . import logs
 from .app import MAX_BODY_BYTES, AppOptions, create_app
 from .fleet import Fleet
 from .nodes import HealthPolicy, make_nodes
@@ -82,6 +82,9 @@ def add_router_flags(parser: argparse.ArgumentParser, *, engines: bool = True) -
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON"
+    )
+    parser.add_argument(
         "--access-log", action="store_true", help="log every HTTP request (uvicorn)"
     )
 
@@ -120,9 +123,7 @@ class _Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace, router: Router) -> None:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,
@@ -136,6 +137,8 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
+        # uvicorn's loggers go through ours, so --log-format applies to them too.
+        log_config=None,
     )
     _Server(config, router).run()
 

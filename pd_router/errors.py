@@ -77,11 +77,13 @@ class QueueTimeout(Busy):
 class UpstreamError(RouterError):
     """An engine failed or answered with an error; its status is passed on when it has one.
 
-    ``engine_fault`` says whether this counts against the node's health (a 4xx is the
-    request's fault, not the engine's); ``unreachable`` that it refused the connection.
+    ``kind`` says what went wrong, for metrics and for the node's health: anything but an
+    ``http_4xx`` (the request's fault, not the engine's) counts against the node, and
+    ``unreachable`` (connection refused) marks it dead at once.
     """
 
     type = "upstream_error"
+    KINDS = ("unreachable", "timeout", "broken_stream", "http_4xx", "http_5xx", "protocol")
 
     def __init__(
         self,
@@ -89,13 +91,20 @@ class UpstreamError(RouterError):
         *,
         status: int = 502,
         code: str | None = None,
-        unreachable: bool = False,
+        kind: str = "protocol",
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
-        self.unreachable = unreachable
-        self.engine_fault = status >= 500
+        self.kind = kind
+
+    @property
+    def unreachable(self) -> bool:
+        return self.kind == "unreachable"
+
+    @property
+    def engine_fault(self) -> bool:
+        return self.kind != "http_4xx"
 
 
 def upstream_message(status: int, raw: bytes) -> str:
@@ -138,7 +147,7 @@ class NodeDead(UpstreamError):
     outcome = "node_dead"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, status=502, code="node_dead")
+        super().__init__(message, status=502, code="node_dead", kind="unreachable")
 
 
 class Aborted(RouterError):

@@ -1,42 +1,128 @@
-"""/metrics: Prometheus text exposition, read from the router's state at scrape time.
+"""/metrics: Prometheus exposition through ``prometheus-client``.
 
-Nothing is counted twice: the pool and the router already keep the numbers, and a
-collector reads them when Prometheus asks, so the request path pays nothing for metrics.
+Counts the request path keeps anyway (outcomes, upstream errors, slots, node states) are
+plain integers read by a collector at scrape time; only the four latency histograms are
+observed per request, through children bound once. Nothing is done per streamed chunk.
+Labels are bounded: endpoint, outcome, node id/url/role, error kind; never a request id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .nodes import State
-from .relay import Router
+from .fleet import Fleet
+from .nodes import Node, State
+from .validation import PATHS
+
+OUTCOMES = (
+    "ok",
+    "client_aborted",
+    "rejected_busy",
+    "rejected_timeout",
+    "no_live_node",
+    "prefill_error",
+    "decode_error",
+    "node_dead",
+    "aborted",
+    "shutting_down",
+    "bad_request",
+    "internal_error",
+)
+
+# Seconds: from sub-millisecond router overhead to multi-minute generations.
+_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
-class RouterCollector(Collector):
-    def __init__(self, router: Router) -> None:
-        self._router = router
+@dataclass
+class Timings:
+    """One finished request, as the histograms see it (None: that phase never ran)."""
+
+    queued: float | None
+    prefill: float | None
+    ttft: float | None
+    duration: float
+
+
+class Telemetry:
+    def __init__(self, fleet: Fleet) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        # Every series exists from the start, so rates and alerts see a 0, not a gap.
+        self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
+        self.upstream_errors: dict[tuple[Node, str], int] = {}
+
+        def histogram(name: str, text: str) -> Histogram:
+            return Histogram(name, text, buckets=_BUCKETS, registry=self.registry)
+
+        self._queue_wait = histogram(
+            "pd_router_queue_wait_seconds", "Time from arrival to a reserved decode slot."
+        )
+        self._prefill = histogram(
+            "pd_router_prefill_duration_seconds", "Prefill request duration, retries included."
+        )
+        self._ttft = histogram(
+            "pd_router_time_to_first_token_seconds",
+            "Time from arrival to the first byte of the answer sent to the client.",
+        )
+        self._duration = histogram(
+            "pd_router_request_duration_seconds", "Time from arrival to the request's end."
+        )
+        self.registry.register(_StateCollector(fleet, self))
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        key = (endpoint, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def upstream_error(self, node: Node, kind: str) -> None:
+        key = (node, kind)
+        self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def observe(self, timings: Timings) -> None:
+        if timings.queued is not None:
+            self._queue_wait.observe(timings.queued)
+        if timings.prefill is not None:
+            self._prefill.observe(timings.prefill)
+        if timings.ttft is not None:
+            self._ttft.observe(timings.ttft)
+        self._duration.observe(timings.duration)
+
+
+class _StateCollector(Collector):
+    def __init__(self, fleet: Fleet, telemetry: Telemetry) -> None:
+        self._fleet = fleet
+        self._telemetry = telemetry
 
     def collect(self) -> Iterator[Metric]:
-        router = self._router
-        pool = router.fleet.pool
+        fleet = self._fleet
+        pool = fleet.pool
         requests = CounterMetricFamily(
             "pd_router_requests",
             "Requests finished, by endpoint and outcome.",
             labels=["endpoint", "outcome"],
         )
-        for (endpoint, outcome), count in sorted(router.outcomes.items()):
+        for (endpoint, outcome), count in sorted(self._telemetry.outcomes.items()):
             requests.add_metric([endpoint, outcome], count)
         yield requests
+        errors = CounterMetricFamily(
+            "pd_router_upstream_errors",
+            "Engine failures seen by requests, by node and kind.",
+            labels=["node", "url", "role", "kind"],
+        )
+        for (node, kind), count in self._telemetry.upstream_errors.items():
+            errors.add_metric([str(node.id), node.url, node.role, kind], count)
+        yield errors
         yield GaugeMetricFamily(
             "pd_router_queue_depth", "Requests waiting for a decode slot.", value=pool.queue_depth
         )
+        yield GaugeMetricFamily(
+            "pd_router_in_flight", "Requests bound to nodes now.", value=len(fleet.bindings)
+        )
         yield CounterMetricFamily(
-            "pd_router_slot_acquisitions",
-            "Decode slots reserved since start.",
-            value=pool.acquired,
+            "pd_router_slot_acquisitions", "Decode slots reserved since start.", value=pool.acquired
         )
         yield CounterMetricFamily(
             "pd_router_slot_releases", "Decode slots released since start.", value=pool.released
@@ -52,7 +138,7 @@ class RouterCollector(Collector):
         failures = GaugeMetricFamily(
             "pd_router_node_consecutive_failures", "Failures in a row per node.", labels=labels
         )
-        for node in router.fleet.nodes:
+        for node in fleet.nodes:
             values = [str(node.id), node.url, node.role]
             slots.add_metric(values, node.slots)
             in_use.add_metric(values, node.in_use)
@@ -63,12 +149,3 @@ class RouterCollector(Collector):
         yield in_use
         yield state
         yield failures
-        yield GaugeMetricFamily(
-            "pd_router_in_flight", "Requests bound to nodes now.", value=len(router.fleet.bindings)
-        )
-
-
-def registry_for(router: Router) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RouterCollector(router))
-    return registry

@@ -22,6 +22,7 @@ Cancellation contract:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,9 +32,10 @@ import anyio
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from . import handshake
+from . import handshake, logs
 from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError
 from .fleet import Binding, Fleet
+from .metrics import Telemetry, Timings
 from .nodes import Node
 from .pool import Reservation
 from .response import ClientStream
@@ -57,8 +59,8 @@ class Router:
     fleet: Fleet
     upstream: Upstream
     settings: Settings = field(default_factory=Settings)
-    outcomes: dict[tuple[Endpoint, str], int] = field(default_factory=dict)
     shutting_down: bool = False
+    telemetry: Telemetry = field(init=False)
     # Set by the app's lifespan (an event needs a running loop); SIGTERM sets it.
     stopping: anyio.Event | None = None
 
@@ -71,9 +73,8 @@ class Router:
         if self.stopping is not None:
             self.stopping.set()
 
-    def count(self, endpoint: Endpoint, outcome: str) -> None:
-        key = (endpoint, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+    def __post_init__(self) -> None:
+        self.telemetry = Telemetry(self.fleet)
 
 
 class Relay:
@@ -93,6 +94,11 @@ class Relay:
         self._scope: anyio.CancelScope | None = None
         self._handoff: anyio.CancelScope | None = None
         self._open: list[Response] = []
+        self._arrived = time.perf_counter()
+        self._queued: float | None = None
+        self._prefill_seconds: float | None = None
+        self._prefill_node: Node | None = None
+        self._decode_node: Node | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
@@ -119,7 +125,31 @@ class Relay:
             # that left before its answer was finished abandoned the request.
             if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
-            self.router.count(self.endpoint, self.outcome)
+            self._report()
+
+    def _report(self) -> None:
+        client = self.client
+        now = time.perf_counter()
+        ttft = None if client.first_byte_at is None else client.first_byte_at - self._arrived
+        telemetry = self.router.telemetry
+        telemetry.count(self.endpoint, self.outcome)
+        telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
+        logs.request_finished(
+            {
+                "request_id": self.request_id,
+                "endpoint": self.endpoint,
+                "outcome": self.outcome,
+                "status": client.status,
+                "stream": self.stream,
+                "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+                "decode_node": None if self._decode_node is None else self._decode_node.id,
+                "queued_s": _rounded(self._queued),
+                "prefill_s": _rounded(self._prefill_seconds),
+                "ttft_s": _rounded(ttft),
+                "duration_s": _rounded(now - self._arrived),
+                "bytes": client.bytes_sent,
+            }
+        )
 
     def fail(self, error: RouterError) -> None:
         if self._failure is not None or self.client.finished:
@@ -156,6 +186,8 @@ class Relay:
             reservation = await held.enter_async_context(
                 fleet.pool.reserve(router.settings.queue_timeout)
             )
+            self._queued = time.perf_counter() - self._arrived
+            self._decode_node = reservation.node
             if reservation.waited > 0.1:
                 log.info(
                     "queued %.1fs for decode node %s request_id=%s",
@@ -165,7 +197,9 @@ class Relay:
                 )
             binding = held.enter_context(fleet.bind(self, reservation.node))
             self.outcome = "prefill_error"
+            prefill_started = time.perf_counter()
             prefilled = await self._prefill(binding)
+            self._prefill_seconds = time.perf_counter() - prefill_started
             self.outcome = "decode_error"
             answer = await self._decode(held, binding, reservation, prefilled)
             if answer is None or self.client_gone:
@@ -202,6 +236,7 @@ class Relay:
             raise refused
         held.callback(other.release)
         self.router.fleet.set_decode(binding, other.node)
+        self._decode_node = other.node
         return await self._handoff_to(held, other.node, prefilled)
 
     async def _prefill(self, binding: Binding) -> handshake.Prefilled:
@@ -229,6 +264,7 @@ class Relay:
         fleet = self.router.fleet
         body = handshake.prefill_body(self.body)
         fleet.set_prefill(binding, node)
+        self._prefill_node = node
         try:
             async with self._exchange(node, body) as answer:
                 if answer.status != 200:
@@ -282,8 +318,10 @@ class Relay:
                     self._open.remove(answer)
         except UpstreamError as error:
             # Our own hang-ups and aborts say nothing about the engine.
-            if error.engine_fault and self._failure is None and not self.client_gone:
-                fleet.failed(node, error.message, fatal=error.unreachable)
+            if self._failure is None and not self.client_gone:
+                self.router.telemetry.upstream_error(node, error.kind)
+                if error.engine_fault:
+                    fleet.failed(node, error.message, fatal=error.unreachable)
             raise
         fleet.succeeded(node)
 
@@ -300,7 +338,8 @@ class Relay:
         except ValueError as exc:
             raise UpstreamError(f"{answer.url}: {exc}") from None
         if not events.done:
-            raise UpstreamError(f"{answer.url}: decode stream ended without [DONE]")
+            message = f"{answer.url}: decode stream ended without [DONE]"
+            raise UpstreamError(message, kind="broken_stream")
         await client.end_events()
 
     async def _relay_json(
@@ -308,3 +347,7 @@ class Relay:
     ) -> None:
         raw = await answer.read()
         await client.respond(200, patch_usage(raw, prefilled.fix_usage))
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)

@@ -6,6 +6,8 @@ error event then ``[DONE]``. Either way the client gets exactly one terminal out
 
 from __future__ import annotations
 
+import time
+
 from starlette.types import Message, Send
 
 from .errors import RouterError
@@ -38,6 +40,9 @@ class ClientStream:
         self.started = False
         self.finished = False
         self.bytes_sent = 0
+        self.status = 0
+        # perf_counter() when the first byte of the answer went out: the router's TTFT.
+        self.first_byte_at: float | None = None
 
     def attach(self, send: Send) -> None:
         self._send = send
@@ -46,32 +51,17 @@ class ClientStream:
         self, status: int, body: bytes, headers: dict[str, str] | None = None
     ) -> None:
         """A whole response at once (JSON answers and errors before streaming)."""
-        self.started = True
-        await self._send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*json_headers(len(body), headers), self._id_header],
-            }
-        )
-        await self._end(body)
+        await self._start(status, [*json_headers(len(body), headers), self._id_header])
+        await self._body(body, more=False)
 
     async def start_events(self) -> None:
-        self.started = True
-        await self._send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*SSE_HEADERS, self._id_header],
-            }
-        )
+        await self._start(200, [*SSE_HEADERS, self._id_header])
 
     async def write(self, data: bytes) -> None:
-        self.bytes_sent += len(data)
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        await self._body(data, more=True)
 
     async def end_events(self) -> None:
-        await self._end(b"")
+        await self._body(b"", more=False)
 
     async def fail(self, error: RouterError) -> None:
         if self.finished:
@@ -79,9 +69,16 @@ class ClientStream:
         if not self.started:
             await self.respond(error.status, error.json(), error.headers)
         else:
-            await self._end(error_event(error.body()))
+            await self._body(error_event(error.body()), more=False)
 
-    async def _end(self, body: bytes) -> None:
-        self.finished = True
-        self.bytes_sent += len(body)
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body(self, data: bytes, *, more: bool) -> None:
+        if data and self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
+        self.bytes_sent += len(data)
+        self.finished = not more
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})

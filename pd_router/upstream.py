@@ -44,7 +44,7 @@ class Response:
         try:
             return await self._raw.read()
         except _FAILURES as exc:
-            raise UpstreamError(f"{self.url}: connection lost: {_describe(exc)}") from None
+            raise _failure(f"{self.url}: connection lost", exc) from None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Bytes as the engine sends them, coalesced when several arrived at once."""
@@ -56,14 +56,14 @@ class Response:
                     return
                 yield data
         except _FAILURES as exc:
-            raise UpstreamError(f"{self.url}: stream broken: {_describe(exc)}") from None
+            raise _failure(f"{self.url}: stream broken", exc) from None
 
     async def error(self) -> UpstreamError:
         """The engine's non-200 answer as an error carrying its status and message."""
         raw = await self.read()
-        return UpstreamError(
-            f"{self.url}: {upstream_message(self.status, raw)}", status=self.status
-        )
+        kind = "http_4xx" if 400 <= self.status < 500 else "http_5xx"
+        message = f"{self.url}: {upstream_message(self.status, raw)}"
+        return UpstreamError(message, status=self.status, kind=kind)
 
 
 class Upstream:
@@ -101,9 +101,10 @@ class Upstream:
         try:
             raw = await self.session.post(url, data=orjson.dumps(body), headers=headers)
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(f"{url}: unreachable: {_describe(exc)}", unreachable=True) from None
+            message = f"{url}: unreachable: {_describe(exc)}"
+            raise UpstreamError(message, kind="unreachable") from None
         except _FAILURES as exc:
-            raise UpstreamError(f"{url}: no answer: {_describe(exc)}") from None
+            raise _failure(f"{url}: no answer", exc) from None
         response = Response(raw, url)
         try:
             yield response
@@ -126,6 +127,11 @@ class Upstream:
                 return await raw.json(content_type=None, loads=orjson.loads)
         except (*_FAILURES, ValueError) as exc:
             raise UpstreamError(f"{url}: {_describe(exc)}") from None
+
+
+def _failure(context: str, exc: BaseException) -> UpstreamError:
+    kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "broken_stream"
+    return UpstreamError(f"{context}: {_describe(exc)}", kind=kind)
 
 
 def _describe(exc: BaseException) -> str:

@@ -63,7 +63,7 @@ class Stream(threading.Thread):
                 f"{self.router.url}/v1/completions",
                 json={**body, "stream": True},
                 headers={"X-Request-Id": self.rid},
-                timeout=30,
+                timeout=60,
             ) as response:
                 self.status = response.status_code
                 buffer = ""
@@ -106,7 +106,7 @@ def test_a_dead_decode_engine_fails_only_its_own_streams(fleet: SimFleet) -> Non
         assert len(on_victim) == 8
         fleet.decode[0].kill()
         for stream in streams:
-            stream.join(30)
+            stream.join(90)
         for stream in streams:
             assert stream.failure is None and stream.status == 200, (
                 stream.rid,
@@ -291,7 +291,7 @@ def test_sigterm_ends_stragglers_with_one_error_each(fleet: SimFleet) -> None:
         streams = [Stream(router, f"long {i}", 400, f"u{i}") for i in range(2)]
         for stream in streams:
             stream.start()
-        wait_for(lambda: router.in_use() == 2, what="2 streams")
+        wait_for(lambda: all(s.events for s in streams), what="2 streams streaming")
         router._process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         for stream in streams:
             stream.join(15)

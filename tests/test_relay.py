@@ -50,7 +50,8 @@ class ScriptedResponse:
         yield self._body
 
     async def error(self) -> UpstreamError:
-        return UpstreamError(f"{self.url}: HTTP {self.status}", status=self.status)
+        kind = "http_4xx" if self.status < 500 else "http_5xx"
+        return UpstreamError(f"{self.url}: HTTP {self.status}", status=self.status, kind=kind)
 
 
 async def nothing() -> None:
@@ -101,6 +102,10 @@ class Client:
         self.messages.append(message)
 
 
+def outcomes(router: Router) -> dict[tuple[str, str], int]:
+    return {key: count for key, count in router.telemetry.outcomes.items() if count}
+
+
 def make_router(upstream: ScriptedUpstream, grace: float = 5.0, prefills: int = 1) -> Router:
     fleet = Fleet(
         [Node(id=i, url=f"http://prefill{i}", slots=1, role="prefill") for i in range(prefills)],
@@ -130,7 +135,7 @@ async def test_a_whole_request_releases_its_slot_and_reports_prefill_usage() -> 
     ]
     assert upstream.sent[1][1] == {**BODY, "kv_transfer_params": KV}
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
-    assert router.outcomes == {("completions", "ok"): 1}
+    assert outcomes(router) == {("completions", "ok"): 1}
 
 
 async def test_client_gone_as_prefill_answers_still_hands_the_kv_over() -> None:
@@ -154,7 +159,7 @@ async def test_client_gone_as_prefill_answers_still_hands_the_kv_over() -> None:
     assert all(response.closed for response in upstream.responses)
     assert client.messages == [], "nothing is sent to a client that left"
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
-    assert router.outcomes == {("completions", "client_aborted"): 1}
+    assert outcomes(router) == {("completions", "client_aborted"): 1}
 
 
 async def test_a_decode_engine_that_never_takes_the_kv_is_dropped_after_the_grace() -> None:
@@ -177,7 +182,7 @@ async def test_a_decode_engine_that_never_takes_the_kv_is_dropped_after_the_grac
         client.gone.set()
     assert 0.15 < anyio.current_time() - started < 2
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
-    assert router.outcomes == {("completions", "client_aborted"): 1}
+    assert outcomes(router) == {("completions", "client_aborted"): 1}
 
 
 async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() -> None:
@@ -228,7 +233,7 @@ async def test_an_engine_4xx_is_passed_on_and_does_not_count_against_the_node() 
     )
     assert client.messages[0]["status"] == 400
     assert all(node.failures == 0 for node in router.fleet.nodes)
-    assert router.outcomes == {("completions", "decode_error"): 1}
+    assert outcomes(router) == {("completions", "decode_error"): 1}
     assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
 
 
@@ -262,4 +267,4 @@ async def test_abort_is_two_phase_and_keeps_the_binding_when_closing_upstream_fa
     body = orjson.loads(client.messages[-1]["body"])
     assert body["error"]["code"] == "abort"
     assert router.fleet.bindings == {} and router.fleet.pool.in_use == 0
-    assert router.outcomes == {("completions", "aborted"): 1}
+    assert outcomes(router) == {("completions", "aborted"): 1}

@@ -1,0 +1,46 @@
+"""Logging: text or JSON lines, and the one line written per finished request."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import orjson
+
+access = logging.getLogger("pd_router.access")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; a request line's fields become top-level keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        document.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            document["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(document).decode()
+
+
+def configure(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def request_finished(fields: dict[str, Any]) -> None:
+    if access.isEnabledFor(logging.INFO):
+        text = " ".join(f"{key}={value}" for key, value in fields.items())
+        access.info("request %s", text, extra={"fields": fields})
