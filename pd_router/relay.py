@@ -130,7 +130,9 @@ class Relay:
     def _report(self) -> None:
         client = self.client
         now = time.perf_counter()
-        ttft = None if client.first_byte_at is None else client.first_byte_at - self._arrived
+        # Time to the first byte of an answer; an error body is not a first token.
+        first = client.first_byte_at
+        ttft = first - self._arrived if first is not None and client.status == 200 else None
         telemetry = self.router.telemetry
         telemetry.count(self.endpoint, self.outcome)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
