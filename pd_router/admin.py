@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .errors import Aborted, BadRequest, RouterError
-from .nodes import Node, parse_node
+from .nodes import Node, check_labels, parse_node
 from .relay import Relay, Router
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -40,6 +40,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "bound_requests": sorted(node.bound),
         "consecutive_failures": node.failures,
         "last_error": node.last_error,
+        "labels": node.labels,
     }
 
 
@@ -77,14 +78,18 @@ def admin_routes(router: Router, token: str) -> list[Route]:
         try:
             spec = orjson.loads(await request.body())
             if not isinstance(spec, dict) or spec.get("role") not in ("prefill", "decode"):
-                raise BadRequest('expected {"url": ..., "role": "prefill"|"decode", "slots": N}')
+                raise BadRequest(
+                    'expected {"url": ..., "role": "prefill"|"decode", "slots": N, "labels": {}}'
+                )
             slots = spec.get("slots", 1)
             if not isinstance(slots, int) or isinstance(slots, bool):
                 raise BadRequest("'slots' must be a whole number")
             url, slots = parse_node(str(spec.get("url", "")), slots)
+            labels = check_labels(spec.get("labels", {}))
         except (orjson.JSONDecodeError, ValueError, RouterError) as exc:
             return _error(400, getattr(exc, "message", str(exc)), "bad_node")
         node = fleet.add(url, spec["role"], slots)
+        node.labels = labels
         return _json(node_view(node), 201)
 
     async def drain_node(request: Request) -> Response:

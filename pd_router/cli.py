@@ -1,21 +1,24 @@
 """``pd-router``: flags, logging, uvicorn.
 
-``pd-router demo`` runs the same router in front of simulated engines (see ``demo.py``).
+Flags can also come from the environment and a TOML file (``config.py``).
+``pd-router demo`` runs the same router in front of simulated engines (see ``demo.py``);
+``pd-router status`` shows a running router's fleet (see ``status.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from . import logs
+from . import config, logs
 from .app import MAX_BODY_BYTES, AppOptions, create_app
 from .fleet import Fleet
 from .nodes import HealthPolicy, make_nodes
@@ -24,16 +27,22 @@ from .upstream import Upstream
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return value
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return value
 
 
@@ -66,27 +75,63 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
 ]  # fmt: skip
 
 
-def add_router_flags(parser: argparse.ArgumentParser, *, engines: bool = True) -> None:
+def add_router_flags(
+    parser: argparse.ArgumentParser, *, engines: bool = True
+) -> list[argparse.Action]:
+    """Add the router's flags; returns them, for the other sources of settings."""
+    actions: list[argparse.Action] = []
+
+    def add(flag: str, **kwargs: Any) -> None:
+        actions.append(parser.add_argument(flag, **kwargs))
+
     if engines:
-        parser.add_argument(
-            "--prefill", action="extend", nargs="+", required=True, metavar="URL",
+        add(
+            "--prefill",
+            action="extend",
+            nargs="+",
+            required=True,
+            metavar="URL",
             help="prefill engine base URL (repeat or list several)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--decode", action="extend", nargs="+", required=True, metavar="URL[,slots=N]",
+        )
+        add(
+            "--decode",
+            action="extend",
+            nargs="+",
+            required=True,
+            metavar="URL[,slots=N]",
             help="decode engine base URL, optionally with its own slot count",
-        )  # fmt: skip
+        )
     for flag, kind, default, metavar, text in OPTIONS:
-        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        add(flag, type=kind, default=default, metavar=metavar, help=text)
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
+    add(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log every HTTP request (uvicorn)",
     )
-    parser.add_argument(
-        "--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON"
-    )
-    parser.add_argument(
-        "--access-log", action="store_true", help="log every HTTP request (uvicorn)"
-    )
+    return actions  # fmt: skip
+
+
+def parse_router_args(
+    parser: argparse.ArgumentParser,
+    actions: Sequence[argparse.Action],
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+) -> argparse.Namespace:
+    """The command line over ``PD_ROUTER_*`` over the config file over the defaults."""
+    options = config.options_of(actions)
+    # Only now may argparse forget defaults and requirements: a flag it leaves out of the
+    # namespace is one the command line did not give, which a lower source may fill in.
+    for action in actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    given = vars(parser.parse_args(argv))
+    try:
+        return argparse.Namespace(**config.resolve(options, given, environ))
+    except config.ConfigError as exc:
+        parser.error(str(exc))
 
 
 def build_router(args: argparse.Namespace) -> Router:
@@ -150,15 +195,37 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         demo_main(argv[1:])
         return
-    parser = argparse.ArgumentParser(
-        prog="pd-router",
-        description="One OpenAI-compatible endpoint in front of prefill and decode engines. "
-        "`pd-router demo` runs it in front of simulated engines on loopback.",
-    )
-    add_router_flags(parser)
-    args = parser.parse_args(argv)
+    if argv[:1] == ["status"]:
+        from .status import main as status_main
+
+        raise SystemExit(status_main(argv[1:], os.environ))
+    parser, actions = router_parser()
+    args = parse_router_args(parser, actions, argv, os.environ)
     try:
         router = build_router(args)
     except ValueError as exc:
         parser.error(str(exc))
     serve(args, router)
+
+
+def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """``pd-router``'s own parser, and the actions that other sources can set."""
+    parser = argparse.ArgumentParser(
+        prog="pd-router",
+        description="One OpenAI-compatible endpoint in front of prefill and decode engines. "
+        "Every flag can also be set as PD_ROUTER_<FLAG> (e.g. PD_ROUTER_QUEUE_TIMEOUT) or in "
+        "a TOML file (queue_timeout = 30); the command line wins, then the environment, "
+        "then the file. "
+        "`pd-router demo` runs the router in front of simulated engines on loopback; "
+        "`pd-router status` shows a running router's nodes.",
+    )
+    actions = add_router_flags(parser)
+    actions.append(
+        parser.add_argument(
+            "--config",
+            metavar="FILE",
+            help="TOML file of settings: keys are the flags' names with _ (queue_timeout); "
+            "default $PD_ROUTER_CONFIG",
+        )
+    )
+    return parser, actions

@@ -14,7 +14,8 @@ from it by the rules below.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
@@ -51,6 +52,8 @@ class Node:
     last_error: str | None = None
     # Request ids bound to this node right now (the fleet keeps this in step).
     bound: set[str] = field(default_factory=set)
+    # The operator's own tags (zone, GPU type...): shown, never used to route.
+    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def free(self) -> int:
@@ -80,14 +83,42 @@ class Node:
         return True
 
 
-def parse_node(spec: str, default_slots: int) -> tuple[str, int]:
-    """``URL`` or ``URL,slots=N`` -> (normalised URL, slots).
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node as configured, before it has an id: URL (normalised), slots, labels."""
+
+    url: str
+    # None: the role's default (``--decode-slots``), which may come from another source.
+    slots: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+# Shown as ``key=value,...`` (status table, logs): a key cannot hold "=", "," or spaces.
+_LABEL_KEY = re.compile(r"[A-Za-z0-9_./-]+")
+
+
+def check_labels(labels: object) -> dict[str, str]:
+    """A node's labels, as given in a config file or to the admin API: strings to strings."""
+    if not isinstance(labels, Mapping):
+        raise ValueError("labels must be a table of names to strings")
+    checked = {}
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key):
+            raise ValueError(f"label name {key!r}: use letters, digits and _ . / - only")
+        if not isinstance(value, str):
+            raise ValueError(f"label {key!r} must be a string, got {value!r}")
+        checked[key] = value
+    return checked
+
+
+def parse_spec(spec: str) -> NodeSpec:
+    """``URL`` or ``URL,slots=N`` -> NodeSpec.
 
     A comma is shell-safe and cannot appear in a host:port URL, so it separates options
     without quoting.
     """
     url, _, options = spec.partition(",")
-    slots = default_slots
+    slots = None
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
         if key.strip() != "slots":
@@ -96,21 +127,44 @@ def parse_node(spec: str, default_slots: int) -> tuple[str, int]:
             slots = int(value)
         except ValueError:
             raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
-    if slots < 1:
-        raise ValueError(f"{spec!r}: slots must be at least 1")
+        if slots < 1:
+            raise ValueError(f"{spec!r}: slots must be at least 1")
+    return NodeSpec(normalise_url(url, spec), slots)
+
+
+def normalise_url(url: str, spec: str | None = None) -> str:
+    """``http(s)://host:port[/path]`` without a trailing slash; anything else is refused."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{spec!r}: expected an http(s)://host:port URL")
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}", slots
+        shown = url if spec is None else spec
+        raise ValueError(f"{shown!r}: expected an http(s)://host:port URL")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def parse_node(spec: str, default_slots: int) -> tuple[str, int]:
+    """``URL`` or ``URL,slots=N`` -> (normalised URL, slots)."""
+    node = parse_spec(spec)
+    slots = default_slots if node.slots is None else node.slots
+    if slots < 1:
+        raise ValueError(f"{spec!r}: slots must be at least 1")
+    return node.url, slots
 
 
 def make_nodes(
-    specs: Sequence[str], default_slots: int, role: Role = "decode", first_id: int = 0
+    specs: Sequence[str | NodeSpec], default_slots: int, role: Role = "decode", first_id: int = 0
 ) -> list[Node]:
+    """Nodes numbered from ``first_id``; strings are parsed as on the command line."""
     nodes = []
     for index, spec in enumerate(specs):
-        url, slots = parse_node(spec, default_slots)
-        nodes.append(Node(id=first_id + index, url=url, slots=slots, role=role))
+        node = parse_spec(spec) if isinstance(spec, str) else spec
+        slots = default_slots if node.slots is None else node.slots
+        if slots < 1:
+            raise ValueError(f"{node.url!r}: slots must be at least 1")
+        nodes.append(
+            Node(
+                id=first_id + index, url=node.url, slots=slots, role=role, labels=dict(node.labels)
+            )
+        )
     return nodes
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pd_router.cli import add_router_flags, build_router
+from pd_router.cli import build_router, parse_router_args, router_parser
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KUBERNETES = EXAMPLES / "kubernetes"
@@ -37,16 +37,15 @@ def _yaml_docs(path: Path) -> list[Any]:
         return [doc for doc in yaml.safe_load_all(f) if doc is not None]
 
 
-def _parse_router_args(argv: list[str]) -> argparse.Namespace:
-    """``argv`` as the real ``pd-router`` CLI parses it; a flag it does not know fails."""
-    parser = argparse.ArgumentParser(prog="pd-router")
-    add_router_flags(parser)
+def _parse_router_args(
+    argv: list[str], environ: dict[str, str] | None = None
+) -> argparse.Namespace:
+    """``argv`` and ``environ`` as the real ``pd-router`` parses them; unknown ones fail."""
+    parser, actions = router_parser()
     try:
-        args, unknown = parser.parse_known_args(argv)
+        return parse_router_args(parser, actions, argv, environ or {})
     except SystemExit:
-        pytest.fail(f"pd-router rejects these arguments (see stderr): {argv}")
-    assert not unknown, f"pd-router does not know {unknown}"
-    return args
+        pytest.fail(f"pd-router rejects these settings (see stderr): {argv} {environ}")
 
 
 # --- every file parses --------------------------------------------------------------------
@@ -115,6 +114,13 @@ def _router_args() -> tuple[dict[str, Any], argparse.Namespace]:
     deployment = _find("Deployment", "pd-router")
     container = _container(deployment)
     env = {e["name"]: e for e in container.get("env", [])}
+    # Settings may come from PD_ROUTER_* variables; the secret ones from a Secret.
+    environ = {}
+    for name, entry in env.items():
+        if "secretKeyRef" in entry.get("valueFrom", {}):
+            environ[name] = "token-from-secret"
+        elif "value" in entry:
+            environ[name] = str(entry["value"])
     # The kubelet expands $(VAR) from the container's env: the token comes from a Secret.
     args = []
     for arg in container["args"]:
@@ -123,7 +129,7 @@ def _router_args() -> tuple[dict[str, Any], argparse.Namespace]:
             assert "secretKeyRef" in env[var].get("valueFrom", {}), f"{var} is not from a Secret"
             arg = arg.replace(f"$({var})", "token-from-secret")
         args.append(arg)
-    return deployment, _parse_router_args(args)
+    return deployment, _parse_router_args(args, environ)
 
 
 def test_router_deployment() -> None:
@@ -165,7 +171,7 @@ def test_router_urls_address_every_engine_pod(role: str) -> None:
     """Each router URL is a StatefulSet pod's stable DNS name on its engine port, every
     replica is listed, and the engine there plays the matching NixlConnector role."""
     _, args = _router_args()
-    urls = getattr(args, role)
+    urls = [spec.url for spec in getattr(args, role)]
     pods = set()
     for url in urls:
         match = re.fullmatch(r"http://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+):(\d+)", url.split(",")[0])
@@ -242,8 +248,8 @@ def test_compose_structure() -> None:
     router = services["pd-router"]
     args = _parse_router_args([_interpolate(str(a)) for a in router["command"]])
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        for url in getattr(args, role):
-            port = int(url.split(",")[0].rsplit(":", 1)[1])
+        for url in (spec.url for spec in getattr(args, role)):
+            port = int(url.rsplit(":", 1)[1])
             assert engines.get(port) == kv_role, f"router {role} {url}: no {kv_role} there"
     grace = router["stop_grace_period"]
     assert re.fullmatch(r"\d+s", grace) and int(grace[:-1]) > args.shutdown_timeout

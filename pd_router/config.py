@@ -1,0 +1,291 @@
+"""Where the router's settings come from: command line > environment > config file > default.
+
+Every flag has the same three other spellings, derived from its argparse dest:
+
+* command line ``--queue-timeout 30``;
+* environment ``PD_ROUTER_QUEUE_TIMEOUT=30`` (``PD_ROUTER_`` + the dest in capitals);
+* TOML file (``--config FILE`` or ``PD_ROUTER_CONFIG``) ``queue_timeout = 30`` (the dest).
+
+Values from the environment and the file go through the flag's own type function, so a bad
+value is refused with the same words as on the command line, but naming where it came from.
+Unknown keys and unknown ``PD_ROUTER_*`` variables are refused too: a misspelt setting that
+is silently ignored is worse than a router that does not start.
+
+Plain functions on plain data; the only I/O is reading the config file that was named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .nodes import NodeSpec, check_labels, normalise_url, parse_spec
+
+ENV_PREFIX = "PD_ROUTER_"
+CONFIG_KEY = "config"
+NODE_KEYS = ("prefill", "decode")
+NODE_TABLE_KEYS = ("url", "slots", "labels")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_TYPE_WORDS: dict[Any, str] = {int: "a whole number", float: "a number"}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names its key and where it came from."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag, as every source spells it."""
+
+    key: str  # the argparse dest; also the config file's key
+    flag: str
+    convert: Callable[[str], Any]
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # on/off, no value on the command line
+    required: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+    @property
+    def nodes(self) -> bool:
+        return self.key in NODE_KEYS
+
+
+def options_of(actions: Iterable[argparse.Action]) -> dict[str, Option]:
+    """The options behind argparse actions, read before anything changes their defaults."""
+    options = {}
+    for action in actions:
+        convert = action.type if callable(action.type) else str
+        choices = tuple(action.choices) if action.choices is not None else None
+        options[action.dest] = Option(
+            key=action.dest,
+            flag=action.option_strings[0],
+            convert=convert,
+            default=action.default,
+            choices=choices,
+            switch=action.nargs == 0,
+            required=action.required,
+        )
+    return options
+
+
+def resolve(
+    options: Mapping[str, Option], cli: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Every option's value: ``cli`` holds only the flags that were given (argparse-typed).
+
+    Node lists come out as ``list[NodeSpec]`` whichever source they came from; a source's
+    list replaces a lower one's, it is not appended to.
+    """
+    given = from_cli(cli, options)
+    env = from_env(environ, options)
+    path = given.get(CONFIG_KEY, env.get(CONFIG_KEY))
+    file = from_file(read_file(path), options, source=path) if path else {}
+    values = merge(options, given, env, file)
+    absent = [option for option in options.values() if option.required and not values[option.key]]
+    if absent:
+        needed = ", ".join(_spellings(option) for option in absent)
+        raise ConfigError(f"the following settings are required: {needed}")
+    return values
+
+
+def merge(options: Mapping[str, Option], *layers: Mapping[str, Any]) -> dict[str, Any]:
+    """For each option the first layer that has it (highest precedence first), else its
+    default."""
+    values = {}
+    for key, option in options.items():
+        values[key] = next((layer[key] for layer in layers if key in layer), option.default)
+    return values
+
+
+def from_cli(given: Mapping[str, Any], options: Mapping[str, Option]) -> dict[str, Any]:
+    """argparse already typed the flags; node URLs are parsed here, like the other sources'."""
+    values = dict(given)
+    for key in NODE_KEYS:
+        if key in values and key in options:
+            flag = options[key].flag
+            values[key] = [_node_string(spec, flag) for spec in values[key]]
+    return values
+
+
+def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[str, Any]:
+    """``PD_ROUTER_*`` variables; an empty one counts as unset.
+
+    Node lists are separated by whitespace: a comma already separates a node's own options
+    (``http://d0:8200,slots=8``).
+    """
+    by_name = {option.env: option for option in options.values()}
+    values: dict[str, Any] = {}
+    for name, text in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or _service_link(name, text):
+            continue
+        option = by_name.get(name)
+        if option is None:
+            raise ConfigError(f"unknown environment variable {name}{_hint(name, by_name)}")
+        text = text.strip()
+        if not text:
+            continue
+        if option.nodes:
+            values[option.key] = [_env_node(item, name) for item in text.split()]
+        elif option.switch:
+            values[option.key] = _switch(text, name)
+        else:
+            values[option.key] = _convert(option, text, name)
+    return values
+
+
+def _service_link(name: str, value: str) -> bool:
+    """Kubernetes injects ``PD_ROUTER_SERVICE_HOST``, ``PD_ROUTER_PORT=tcp://...`` and the
+    like into every pod of a namespace with a Service named ``pd-router``: not settings."""
+    rest = name[len(ENV_PREFIX) :]
+    return (
+        rest.startswith(("SERVICE_HOST", "SERVICE_PORT", "PORT_"))
+        or "://" in value
+        and rest == "PORT"
+    )
+
+
+def read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+
+
+def from_file(
+    document: Mapping[str, Any], options: Mapping[str, Option], source: str = "config file"
+) -> dict[str, Any]:
+    """A parsed TOML document: top-level keys are the flags' dests (``queue_timeout``)."""
+    keys = {key: option for key, option in options.items() if key != CONFIG_KEY}
+    values: dict[str, Any] = {}
+    for key, value in document.items():
+        option = keys.get(key)
+        if option is None:
+            raise ConfigError(f"{source}: unknown key {key!r}{_hint(key.replace('-', '_'), keys)}")
+        where = f"{source}: {key}"
+        if option.nodes:
+            values[key] = _file_nodes(value, where)
+        elif option.switch:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            values[key] = value
+        else:
+            values[key] = _convert(option, _scalar(option, value, where), where)
+    return values
+
+
+# Values
+
+
+def _convert(option: Option, text: str, where: str) -> Any:
+    """``text`` through the flag's own type function (and choices), as argparse would."""
+    try:
+        value = option.convert(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except (TypeError, ValueError):
+        name = _TYPE_WORDS.get(option.convert)
+        if name is None:
+            name = f"a valid {getattr(option.convert, '__name__', 'value')}"
+        raise ConfigError(f"{where}: expected {name}, got {text!r}") from None
+    if option.choices is not None and value not in option.choices:
+        raise ConfigError(f"{where}: expected one of {', '.join(option.choices)}, got {text!r}")
+    return value
+
+
+def _scalar(option: Option, value: object, where: str) -> str:
+    """A TOML value as the text a flag would have had: numbers and strings only."""
+    if option.convert is str and not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{where}: expected a number or a string, got {value!r}")
+    return str(value)
+
+
+def _switch(text: str, where: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ConfigError(f"{where}: expected one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
+
+
+# Nodes
+
+
+def _node_string(spec: str, where: str) -> NodeSpec:
+    try:
+        return parse_spec(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _env_node(item: str, where: str) -> NodeSpec:
+    _url, _, options = item.partition(",")
+    if "://" in options:
+        raise ConfigError(
+            f"{where}: {item!r}: separate nodes with spaces; a comma starts a node option "
+            "(URL,slots=N)"
+        )
+    return _node_string(item, where)
+
+
+def _file_nodes(value: object, where: str) -> list[NodeSpec]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(
+            f"{where}: expected a non-empty array of URLs or of tables "
+            f"({{ url = ..., slots = N, labels = {{ ... }} }}), got {value!r}"
+        )
+    return [_file_node(item, f"{where}[{index}]") for index, item in enumerate(value)]
+
+
+def _file_node(item: object, where: str) -> NodeSpec:
+    if isinstance(item, str):
+        return _node_string(item, where)
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected a URL or a table, got {item!r}")
+    for key in item:
+        if key not in NODE_TABLE_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(NODE_TABLE_KEYS)})")
+    url = item.get("url")
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.url: expected a URL string, got {url!r}")
+    if "," in url:
+        # The table has its own keys for options: a comma option here would be ambiguous.
+        raise ConfigError(f"{where}.url: {url!r}: give options as keys (slots = N)")
+    slots = item.get("slots")
+    if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+        raise ConfigError(f"{where}.slots: expected a whole number >= 1, got {slots!r}")
+    try:
+        url = normalise_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.url: {exc}") from None
+    try:
+        labels = check_labels(item.get("labels", {}))
+    except ValueError as exc:
+        raise ConfigError(f"{where}.labels: {exc}") from None
+    return NodeSpec(url, slots, labels)
+
+
+# Messages
+
+
+def _hint(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _spellings(option: Option) -> str:
+    return f"{option.flag} (or {option.env}, or {option.key} in the config file)"

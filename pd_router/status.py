@@ -1,0 +1,212 @@
+"""``pd-router status``: a running router's fleet as a table, for a person at a terminal.
+
+The source is the router's public ``GET /metrics``. With an admin token (``--admin-token``
+or ``PD_ROUTER_ADMIN_TOKEN``) it is ``GET /admin/nodes`` instead, which also has each
+node's labels, its requests in flight and its last error. Fetching is ``urllib``; reading
+and formatting are pure functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import ENV_PREFIX
+
+# The router's own variable for --admin-token, so one export serves both.
+ADMIN_ENV = ENV_PREFIX + "ADMIN_TOKEN"
+
+
+class StatusError(Exception):
+    """The router could not be asked, or its answer makes no sense; the message says which."""
+
+
+@dataclass
+class NodeRow:
+    id: int
+    role: str
+    url: str
+    state: str = "?"
+    slots: int = 0
+    in_use: int = 0
+    failures: int = 0
+    # None: the source does not say (/metrics has no labels or per-node requests).
+    labels: dict[str, str] | None = None
+    requests: int | None = None
+    last_error: str | None = None
+
+
+@dataclass
+class Snapshot:
+    nodes: list[NodeRow] = field(default_factory=list)
+    queue_depth: int = 0
+    in_flight: int = 0
+    shutting_down: bool | None = None
+
+
+def from_metrics(text: str) -> Snapshot:
+    """A Prometheus exposition of the router's ``/metrics``."""
+    snapshot = Snapshot()
+    rows: dict[int, NodeRow] = {}
+    seen_router = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "pd_router_queue_depth":
+                snapshot.queue_depth, seen_router = int(value), True
+            elif name == "pd_router_in_flight":
+                snapshot.in_flight = int(value)
+            elif name.startswith("pd_router_node_") and "node" in labels:
+                node_id = int(labels["node"])
+                row = rows.get(node_id)
+                if row is None:
+                    row = rows[node_id] = NodeRow(node_id, labels["role"], labels["url"])
+                if name == "pd_router_node_slots":
+                    row.slots = int(value)
+                elif name == "pd_router_node_slots_in_use":
+                    row.in_use = int(value)
+                elif name == "pd_router_node_consecutive_failures":
+                    row.failures = int(value)
+                elif name == "pd_router_node_state" and value == 1:
+                    row.state = labels["state"]
+    if not seen_router:
+        raise StatusError("its /metrics has no pd_router_queue_depth: is this a pd-router?")
+    snapshot.nodes = sorted(rows.values(), key=lambda row: row.id)
+    return snapshot
+
+
+def from_admin(document: Any) -> Snapshot:
+    """The JSON of ``GET /admin/nodes``."""
+    try:
+        nodes = [
+            NodeRow(
+                id=int(node["id"]),
+                role=str(node["role"]),
+                url=str(node["url"]),
+                state=str(node["state"]),
+                slots=int(node["slots"]),
+                in_use=int(node["in_use"]),
+                failures=int(node["consecutive_failures"]),
+                labels={str(k): str(v) for k, v in node.get("labels", {}).items()},
+                requests=len(node["bound_requests"]),
+                last_error=node.get("last_error"),
+            )
+            for node in document["nodes"]
+        ]
+        return Snapshot(
+            nodes=sorted(nodes, key=lambda row: row.id),
+            queue_depth=int(document["queue_depth"]),
+            in_flight=int(document["in_flight"]),
+            shutting_down=bool(document.get("shutting_down", False)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StatusError(f"unexpected /admin/nodes answer ({exc!r})") from None
+
+
+def format_table(snapshot: Snapshot, router: str) -> str:
+    """The fleet as aligned text; a column the source knows nothing of is left out."""
+    nodes = snapshot.nodes
+    serving = sum(node.state == "serving" for node in nodes)
+    decode = [node for node in nodes if node.role == "decode"]
+    summary = (
+        f"pd-router {router}: {serving} of {len(nodes)} nodes serving, "
+        f"decode slots {sum(n.in_use for n in decode)}/{sum(n.slots for n in decode)} in use, "
+        f"{snapshot.queue_depth} queued, {snapshot.in_flight} in flight"
+    )
+    if snapshot.shutting_down:
+        summary += ", SHUTTING DOWN"
+    if not nodes:
+        return summary + "\n(no nodes)\n"
+    with_requests = any(node.requests is not None for node in nodes)
+    with_labels = any(node.labels for node in nodes)
+    header = ["ID", "ROLE", "STATE", "SLOTS", "FAILURES"]
+    header += ["REQUESTS"] * with_requests + ["URL"] + ["LABELS"] * with_labels
+    table = [header]
+    for node in nodes:
+        # Prefill engines take no slot from the router: a count there would mean nothing.
+        slots = f"{node.in_use}/{node.slots}" if node.role == "decode" else "-"
+        row = [str(node.id), node.role, node.state, slots, str(node.failures)]
+        if with_requests:
+            row.append("-" if node.requests is None else str(node.requests))
+        row.append(node.url)
+        if with_labels:
+            row.append(",".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items())))
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [summary, ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    errors = [n for n in nodes if n.last_error and (n.state != "serving" or n.failures)]
+    if errors:
+        lines.append("")
+        lines += [f"node {node.id} last error: {node.last_error}" for node in errors]
+    return "\n".join(lines) + "\n"
+
+
+def fetch(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    # The scheme was checked to be http(s) in main: urlopen cannot be pointed at a file.
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # nosec B310
+        body: bytes = response.read()
+        return body
+
+
+def snapshot(router: str, token: str | None, timeout: float) -> tuple[Snapshot, str | None]:
+    """Ask the router; a note for stderr when the admin API was wanted but is not there."""
+    try:
+        if token:
+            try:
+                document = orjson.loads(fetch(f"{router}/admin/nodes", token, timeout))
+                return from_admin(document), None
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401:
+                    raise StatusError("the admin token was refused (401)") from None
+                if exc.code != 404:
+                    raise
+                note = "the router has no admin API (--admin-token unset): showing /metrics"
+                return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), note
+        return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), None
+    except urllib.error.HTTPError as exc:
+        raise StatusError(f"{exc.url} answered {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        raise StatusError(f"cannot reach it: {exc.reason}") from None
+    except (OSError, ValueError) as exc:
+        # Timeouts, resets, and answers that are not what a router sends.
+        raise StatusError(f"cannot read it: {exc}") from None
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pd-router status", description="Show a running pd-router's nodes and queue."
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    parser.add_argument(
+        "--admin-token",
+        default=environ.get(ADMIN_ENV) or None,
+        metavar="TOKEN",
+        help=f"use /admin/nodes (labels, requests per node); default ${ADMIN_ENV}",
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    args = parser.parse_args(argv)
+    router = args.url.rstrip("/")
+    parts = urlsplit(router)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        parser.error(f"--url: expected http(s)://host:port, got {args.url!r}")
+    try:
+        result, note = snapshot(router, args.admin_token, args.timeout)
+    except StatusError as exc:
+        print(f"pd-router status: router at {router}: {exc}", file=sys.stderr)
+        return 1
+    if note:
+        print(f"pd-router status: {note}", file=sys.stderr)
+    sys.stdout.write(format_table(result, router))
+    return 0

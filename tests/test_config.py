@@ -1,0 +1,281 @@
+"""Settings from the command line, ``PD_ROUTER_*`` variables and a TOML file: precedence,
+node lists with slots and labels, and refusals that name the key. No server needed, except
+for the one check of the installed ``pd-router`` command."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess  # nosec B404
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from pd_router.cli import build_router, parse_router_args, router_parser
+from pd_router.nodes import NodeSpec
+
+NODES = ["--prefill", "http://p0:8100", "--decode", "http://d0:8200"]
+
+
+def parse(
+    argv: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    toml: str | None = None,
+    tmp_path: Path | None = None,
+) -> argparse.Namespace:
+    """What ``pd-router ARGV`` would run with, given this environment and config file."""
+    argv = list(argv)
+    if toml is not None:
+        assert tmp_path is not None
+        path = tmp_path / "pd-router.toml"
+        path.write_text(toml)
+        argv += ["--config", str(path)]
+    parser, actions = router_parser()
+    return parse_router_args(parser, actions, argv, dict(env or {}))
+
+
+def refusal(
+    capsys: pytest.CaptureFixture[str],
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    toml: str | None = None,
+    tmp_path: Path | None = None,
+) -> str:
+    """The message of a start-up that is refused like an argparse error (exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv, env, toml, tmp_path)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_without_file_or_environment() -> None:
+    args = parse(NODES)
+    assert (args.host, args.port, args.queue_timeout, args.decode_slots) == (
+        "127.0.0.1",
+        8000,
+        0.0,
+        1,
+    )
+    assert args.admin_token is None and args.access_log is False
+    assert args.prefill == [NodeSpec("http://p0:8100")]
+
+
+def test_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -> None:
+    toml = 'queue_timeout = 30\ndecode_slots = 4\nhost = "0.0.0.0"\nlog_level = "debug"\n'
+    env = {"PD_ROUTER_QUEUE_TIMEOUT": "20", "PD_ROUTER_DECODE_SLOTS": "6"}
+    args = parse([*NODES, "--queue-timeout", "10"], env, toml, tmp_path)
+    assert args.queue_timeout == 10.0  # command line
+    assert args.decode_slots == 6  # environment
+    assert args.host == "0.0.0.0" and args.log_level == "debug"  # file
+    assert args.port == 8000 and args.health_interval == 1.0  # defaults
+    # Take away the higher source and the next one shows through.
+    assert parse(NODES, env, toml, tmp_path).queue_timeout == 20.0
+    assert parse(NODES, {}, toml, tmp_path).queue_timeout == 30.0
+
+
+def test_switches_and_strings_from_each_source(tmp_path: Path) -> None:
+    env = {"PD_ROUTER_ACCESS_LOG": "yes", "PD_ROUTER_ADMIN_TOKEN": "from-env"}
+    args = parse(NODES, env)
+    assert args.access_log is True and args.admin_token == "from-env"
+    assert parse([*NODES, "--no-access-log"], env).access_log is False
+    args = parse(NODES, {}, 'access_log = true\nadmin_token = "from-file"\n', tmp_path)
+    assert args.access_log is True and args.admin_token == "from-file"
+    # An empty variable is unset, not an empty token.
+    assert parse(NODES, {"PD_ROUTER_ADMIN_TOKEN": ""}).admin_token is None
+
+
+def test_nodes_from_file_with_slots_and_labels(tmp_path: Path) -> None:
+    toml = """
+queue_timeout = 30
+decode_slots = 4
+
+[[prefill]]
+url = "http://p0:8100"
+labels = { zone = "a" }
+
+[[decode]]
+url = "http://d0:8200/"
+slots = 8
+labels = { zone = "a", gpu = "h100" }
+
+[[decode]]
+url = "http://d1:8200"
+"""
+    args = parse([], {}, toml, tmp_path)
+    nodes = build_router(args).fleet.nodes
+    view = [(n.id, n.role, n.url, n.slots, n.labels) for n in nodes]
+    assert view == [
+        (0, "prefill", "http://p0:8100", 1, {"zone": "a"}),
+        (1, "decode", "http://d0:8200", 8, {"zone": "a", "gpu": "h100"}),
+        (2, "decode", "http://d1:8200", 4, {}),
+    ]
+
+
+def test_nodes_as_plain_strings_in_file_and_environment(tmp_path: Path) -> None:
+    toml = 'prefill = ["http://p0:8100"]\ndecode = ["http://d0:8200,slots=8", "http://d1:8200"]\n'
+    args = parse([], {}, toml, tmp_path)
+    assert args.decode == [NodeSpec("http://d0:8200", 8), NodeSpec("http://d1:8200")]
+    # Whitespace (spaces, tabs, newlines) separates nodes; a comma is a node's own option.
+    env = {
+        "PD_ROUTER_DECODE": " http://e0:8200,slots=2\n\thttp://e1:8200 ",
+        "PD_ROUTER_DECODE_SLOTS": "3",
+    }
+    args = parse([], env, toml, tmp_path)
+    assert [(n.url, n.slots) for n in build_router(args).fleet.pool.nodes] == [
+        ("http://e0:8200", 2),
+        ("http://e1:8200", 3),
+    ]
+    assert args.prefill == [NodeSpec("http://p0:8100")]  # from the file still
+
+
+def test_a_higher_source_replaces_a_node_list(tmp_path: Path) -> None:
+    toml = 'prefill = ["http://p0:8100", "http://p1:8100"]\ndecode = ["http://d0:8200"]\n'
+    args = parse(["--prefill", "http://cli:8100"], {}, toml, tmp_path)
+    assert args.prefill == [NodeSpec("http://cli:8100")]
+
+
+def test_config_file_named_by_environment(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text("queue_timeout = 7\n")
+    assert parse(NODES, {"PD_ROUTER_CONFIG": str(path)}).queue_timeout == 7.0
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("queue_timout = 3\n", "unknown key 'queue_timout' (did you mean queue_timeout?)"),
+        ("queue-timeout = 3\n", "unknown key 'queue-timeout' (did you mean queue_timeout?)"),
+        ('config = "other.toml"\n', "unknown key 'config'"),
+        ("[[decode]]\nurl = 'http://d0:8200'\nweight = 2\n", "decode[0]: unknown key 'weight'"),
+    ],
+)
+def test_unknown_key_in_file_is_refused(
+    toml: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message = refusal(capsys, NODES, {}, toml, tmp_path)
+    assert "pd-router.toml: " in message and expected in message
+
+
+def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    message = refusal(capsys, NODES, {"PD_ROUTER_QUEUE_TIMOUT": "3", "HOME": "/root"})
+    assert "unknown environment variable PD_ROUTER_QUEUE_TIMOUT" in message
+    assert "did you mean PD_ROUTER_QUEUE_TIMEOUT?" in message
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("queue_timeout = -1\n", "queue_timeout: must be a number of seconds >= 0, got '-1'"),
+        ('queue_timeout = "soon"\n', "queue_timeout: must be a number of seconds >= 0"),
+        ("decode_slots = 0\n", "decode_slots: must be a whole number >= 1, got '0'"),
+        ("port = 80.5\n", "port: expected a whole number, got '80.5'"),
+        ("port = true\n", "port: expected a number or a string, got True"),
+        ("host = 1\n", "host: expected a string, got 1"),
+        ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
+        ('access_log = "yes"\n', "access_log: expected true or false"),
+        ('decode = "http://d0:8200"\n', "decode: expected a non-empty array"),
+        ('decode = ["d0:8200"]\n', "decode[0]: 'd0:8200': expected an http(s)://host:port URL"),
+        ("[[decode]]\nurl = 'http://d0:8200'\nslots = 0\n", "decode[0].slots: expected a whole"),
+        ("[[decode]]\nurl = 'http://d0:8200,slots=2'\n", "decode[0].url: "),
+        ("[[decode]]\nslots = 2\n", "decode[0].url: expected a URL string"),
+        ("[[prefill]]\nurl = 'http://p:1'\nlabels = { n = 3 }\n", "prefill[0].labels: label 'n'"),
+        ("[[prefill]]\nurl = 'http://p:1'\nlabels = { 'a b' = 'x' }\n", "prefill[0].labels: "),
+    ],
+)
+def test_bad_value_in_file_is_refused_naming_the_key(
+    toml: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert expected in refusal(capsys, NODES, {}, toml, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PD_ROUTER_PORT": "http"}, "PD_ROUTER_PORT: expected a whole number, got 'http'"),
+        ({"PD_ROUTER_HEALTH_INTERVAL": "-2"}, "PD_ROUTER_HEALTH_INTERVAL: must be a number"),
+        ({"PD_ROUTER_ACCESS_LOG": "maybe"}, "PD_ROUTER_ACCESS_LOG: expected one of 1, true"),
+        ({"PD_ROUTER_LOG_FORMAT": "xml"}, "PD_ROUTER_LOG_FORMAT: expected one of text, json"),
+        ({"PD_ROUTER_DECODE": "http://d0:8200,slots=x"}, "PD_ROUTER_DECODE: 'http://d0:8200,"),
+        (
+            {"PD_ROUTER_PREFILL": "http://p0:8100,http://p1:8100"},
+            "PD_ROUTER_PREFILL: 'http://p0:8100,http://p1:8100': separate nodes with spaces",
+        ),
+    ],
+)
+def test_bad_value_in_environment_is_refused_naming_the_variable(
+    env: dict[str, str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert expected in refusal(capsys, NODES, env)
+
+
+def test_unreadable_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere.toml"
+    assert "nowhere.toml: No such file" in refusal(capsys, [*NODES, "--config", str(missing)])
+    assert "not valid TOML" in refusal(capsys, NODES, {}, "queue_timeout = = 3\n", tmp_path)
+
+
+def test_missing_nodes_name_every_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    message = refusal(capsys, ["--prefill", "http://p0:8100"])
+    assert "--decode (or PD_ROUTER_DECODE, or decode in the config file)" in message
+    assert "--prefill" not in message.split("required:")[1]
+
+
+def _console_script() -> str:
+    """The installed ``pd-router`` entry point of the environment running the tests."""
+    beside = Path(sys.executable).with_name("pd-router")
+    found = str(beside) if beside.exists() else shutil.which("pd-router")
+    if found is None:
+        pytest.skip("the pd-router console script is not installed")
+    return found
+
+
+def test_console_script_refuses_a_bad_config(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        'prefill = ["http://p0:8100"]\ndecode = ["http://d0:8200"]\nqueue_timeout = -5\n'
+    )
+    done = subprocess.run(  # nosec B603
+        [_console_script(), "--config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "queue_timeout: must be a number of seconds >= 0, got '-5'" in done.stderr
+    assert str(path) in done.stderr and done.stdout == ""
+
+
+def test_console_script_refuses_an_unknown_environment_variable() -> None:
+    env = {"PATH": "/usr/bin:/bin", "PD_ROUTER_DECODE_SLOT": "4"}
+    done = subprocess.run(  # nosec B603
+        [_console_script(), *NODES], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2
+    assert "PD_ROUTER_DECODE_SLOT" in done.stderr and "PD_ROUTER_DECODE_SLOTS" in done.stderr
+
+
+def test_demo_still_parses_its_flags() -> None:
+    done = subprocess.run(  # nosec B603
+        [sys.executable, "-m", "pd_router", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "--decode-nodes" in done.stdout
+
+
+def test_kubernetes_service_links_are_not_settings() -> None:
+    """A Service named pd-router makes Kubernetes inject these into every pod."""
+    parser, actions = router_parser()
+    environ = {
+        "PD_ROUTER_SERVICE_HOST": "10.0.0.7",
+        "PD_ROUTER_SERVICE_PORT": "8000",
+        "PD_ROUTER_SERVICE_PORT_HTTP": "8000",
+        "PD_ROUTER_PORT": "tcp://10.0.0.7:8000",
+        "PD_ROUTER_PORT_8000_TCP": "tcp://10.0.0.7:8000",
+        "PD_ROUTER_PORT_8000_TCP_ADDR": "10.0.0.7",
+        "PD_ROUTER_QUEUE_TIMEOUT": "7",
+    }
+    args = parse_router_args(
+        parser, actions, ["--prefill", "http://p:1", "--decode", "http://d:2"], environ
+    )
+    assert args.port == 8000 and args.queue_timeout == 7.0

@@ -1,0 +1,249 @@
+"""``pd-router status``: a real router (started from a TOML file with labels) in front of
+simulated engines, asked through the command as a person would run it; and the table and
+the parsing of its sources, without a server."""
+
+from __future__ import annotations
+
+import os
+import subprocess  # nosec B404
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd_router.sim.fleet import ServerProcess, SimFleet, free_port
+from pd_router.status import NodeRow, Snapshot, format_table, from_admin, from_metrics
+from tests.helpers import RawClient, RouterProcess, wait_for
+
+TOKEN = "status-test-token"
+
+
+class ConfiguredRouter(RouterProcess):
+    """The router with every setting from a config file: no --prefill/--decode flags."""
+
+    def __init__(self, config: Path) -> None:
+        ServerProcess.__init__(self, ["--config", str(config)])
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=2, decode_args=["--slots", "16"]) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def router(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    # A third decode node where nothing listens: the prober makes it dead.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    config = tmp_path_factory.mktemp("status") / "pd-router.toml"
+    config.write_text(f"""
+decode_slots = 4
+health_interval = 0.1
+unhealthy_after = 2
+admin_token = "{TOKEN}"
+
+[[prefill]]
+url = "{fleet.prefill[0].url}"
+labels = {{ zone = "a" }}
+
+[[decode]]
+url = "{fleet.decode[0].url}"
+slots = 8
+labels = {{ zone = "a", gpu = "h100" }}
+
+[[decode]]
+url = "{fleet.decode[1].url}"
+
+[[decode]]
+url = "{nowhere}"
+""")
+    with ConfiguredRouter(config) as router:
+        wait_for(lambda: router.metrics().get(_state(3, nowhere, "dead")) == 1, what="node 3 dead")
+        yield router
+
+
+def _state(node: int, url: str, state: str) -> str:
+    return f"pd_router_node_state{{node={node},role=decode,state={state},url={url}}}"
+
+
+def status(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PD_ROUTER_")}
+    if token is not None:
+        env["PD_ROUTER_ADMIN_TOKEN"] = token
+    return subprocess.run(  # nosec B603
+        [sys.executable, "-m", "pd_router", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def rows(output: str) -> dict[str, list[str]]:
+    """Table rows (the lines starting with a node id) by node URL, split into columns."""
+    table = [line.split() for line in output.splitlines() if line[:1].isdigit()]
+    return {next(c for c in cells if c.startswith("http://")): cells for cells in table}
+
+
+def test_status_from_metrics_lists_every_node(router: RouterProcess, fleet: SimFleet) -> None:
+    done = status("--url", router.url)
+    assert done.returncode == 0, done.stderr
+    table = rows(done.stdout)
+    prefill, d0, d1 = fleet.prefill[0].url, fleet.decode[0].url, fleet.decode[1].url
+    assert table[prefill][:5] == ["0", "prefill", "serving", "-", "0"]
+    assert table[d0][:5] == ["1", "decode", "serving", "0/8", "0"]
+    assert table[d1][:5] == ["2", "decode", "serving", "0/4", "0"]
+    dead = next(cells for url, cells in table.items() if url not in (prefill, d0, d1))
+    assert dead[:4] == ["3", "decode", "dead", "0/4"] and int(dead[4]) >= 2
+    # /metrics has no labels: no column for them.
+    assert "LABELS" not in done.stdout and "zone=" not in done.stdout
+    assert f"pd-router {router.url}: 3 of 4 nodes serving" in done.stdout
+    assert "0 queued, 0 in flight" in done.stdout
+
+
+def test_status_with_admin_token_shows_labels_and_requests(
+    router: RouterProcess, fleet: SimFleet
+) -> None:
+    for engine in fleet.decode:
+        engine.configure(itl=0.2)
+    body = {"model": "sim-model", "prompt": "slow stream", "max_tokens": 50, "stream": True}
+    client = RawClient(router.url, "/v1/completions", body)
+    try:
+        client.read_until(b"data: ")
+        wait_for(lambda: router.in_use() == 1, what="one slot in use")
+        done = status("--url", router.url, token=TOKEN)
+    finally:
+        client.hang_up()
+        for engine in fleet.decode:
+            engine.configure(itl=0)
+    assert done.returncode == 0, done.stderr
+    table = rows(done.stdout)
+    assert table[fleet.prefill[0].url][-1] == "zone=a"
+    assert table[fleet.decode[0].url][-1] == "gpu=h100,zone=a"
+    busy = [cells for cells in table.values() if cells[3] == "1/8" or cells[3] == "1/4"]
+    assert len(busy) == 1 and busy[0][5] == "1"  # its REQUESTS column
+    assert "1 in flight" in done.stdout and "decode slots 1/16 in use" in done.stdout
+    assert "node 3 last error:" in done.stdout
+    router.assert_idle()
+
+
+def test_status_with_a_wrong_token_says_so(router: RouterProcess) -> None:
+    done = status("--url", router.url, "--admin-token", "wrong")
+    assert done.returncode == 1 and "admin token was refused" in done.stderr
+
+
+def test_status_of_an_unreachable_router_fails_clearly() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    done = status("--url", url)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"router at {url}: cannot reach it" in done.stderr
+
+
+def test_nodes_added_through_the_admin_api_keep_their_labels(
+    router: RouterProcess, fleet: SimFleet
+) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    nodes = f"{router.url}/admin/nodes"
+    spec = {"url": fleet.prefill[0].url, "role": "prefill", "labels": {"zone": "b"}}
+    bad = httpx.post(nodes, json={**spec, "labels": {"zone": 1}}, headers=auth, timeout=10)
+    assert bad.status_code == 400 and "label 'zone' must be a string" in bad.text
+    added = httpx.post(nodes, json=spec, headers=auth, timeout=10)
+    assert added.status_code == 201 and added.json()["labels"] == {"zone": "b"}
+    node_id = added.json()["id"]
+    try:
+        done = status("--url", router.url, token=TOKEN)
+        assert done.returncode == 0, done.stderr
+        # Same URL as node 0, so look the row up by id.
+        table = [line.split() for line in done.stdout.splitlines()]
+        row = next(cells for cells in table if cells[:1] == [str(node_id)])
+        assert row[1:3] == ["prefill", "serving"] and row[-1] == "zone=b"
+    finally:
+        httpx.post(f"{nodes}/{node_id}/drain", headers=auth, timeout=10)
+        assert httpx.delete(f"{nodes}/{node_id}", headers=auth, timeout=10).status_code == 200
+
+
+# Without a server
+
+
+def test_format_table() -> None:
+    snapshot = Snapshot(
+        nodes=[
+            NodeRow(0, "prefill", "http://p0:8100", "serving", 1, 0, 0, labels={"zone": "a"}),
+            NodeRow(1, "decode", "http://d0:8200", "draining", 8, 3, 0, {"gpu": "h100"}, 3),
+            NodeRow(2, "decode", "http://d1:8200", "dead", 4, 0, 5, {}, 0, "connection refused"),
+        ],
+        queue_depth=2,
+        in_flight=3,
+        shutting_down=False,
+    )
+    assert format_table(snapshot, "http://r:8000") == (
+        "pd-router http://r:8000: 1 of 3 nodes serving, decode slots 3/12 in use, "
+        "2 queued, 3 in flight\n"
+        "\n"
+        "ID  ROLE     STATE     SLOTS  FAILURES  REQUESTS  URL             LABELS\n"
+        "0   prefill  serving   -      0         -         http://p0:8100  zone=a\n"
+        "1   decode   draining  3/8    0         3         http://d0:8200  gpu=h100\n"
+        "2   decode   dead      0/4    5         0         http://d1:8200\n"
+        "\n"
+        "node 2 last error: connection refused\n"
+    )
+
+
+def test_format_table_leaves_out_what_the_source_does_not_know() -> None:
+    snapshot = Snapshot(nodes=[NodeRow(0, "decode", "http://d0:8200", "serving", 2, 1, 0)])
+    assert format_table(snapshot, "http://r:8000").splitlines()[2:] == [
+        "ID  ROLE    STATE    SLOTS  FAILURES  URL",
+        "0   decode  serving  1/2    0         http://d0:8200",
+    ]
+    assert format_table(Snapshot(shutting_down=True), "http://r").endswith(
+        "SHUTTING DOWN\n(no nodes)\n"
+    )
+
+
+def test_from_metrics() -> None:
+    labels = 'node="1",url="http://d0:8200",role="decode"'
+    text = f"""
+# TYPE pd_router_queue_depth gauge
+pd_router_queue_depth 2.0
+# TYPE pd_router_in_flight gauge
+pd_router_in_flight 5.0
+# TYPE pd_router_node_slots gauge
+pd_router_node_slots{{{labels}}} 8.0
+# TYPE pd_router_node_slots_in_use gauge
+pd_router_node_slots_in_use{{{labels}}} 5.0
+# TYPE pd_router_node_state gauge
+pd_router_node_state{{{labels},state="serving"}} 0.0
+pd_router_node_state{{{labels},state="draining"}} 1.0
+pd_router_node_state{{{labels},state="dead"}} 0.0
+# TYPE pd_router_node_consecutive_failures gauge
+pd_router_node_consecutive_failures{{{labels}}} 1.0
+"""
+    snapshot = from_metrics(text)
+    assert (snapshot.queue_depth, snapshot.in_flight) == (2, 5)
+    assert snapshot.nodes == [NodeRow(1, "decode", "http://d0:8200", "draining", 8, 5, 1)]
+
+
+def test_from_metrics_of_something_else_is_an_error() -> None:
+    with pytest.raises(Exception, match="is this a pd-router"):
+        from_metrics("# TYPE up gauge\nup 1.0\n")
+
+
+def test_from_admin() -> None:
+    node = {
+        "id": 4,
+        "url": "http://d0:8200",
+        "role": "decode",
+        "state": "serving",
+        "slots": 8,
+        "in_use": 2,
+        "bound_requests": ["a", "b"],
+        "consecutive_failures": 0,
+        "last_error": None,
+        "labels": {"zone": "b"},
+    }
+    document = {"nodes": [node], "queue_depth": 0, "in_flight": 2, "shutting_down": False}
+    assert from_admin(document).nodes == [
+        NodeRow(4, "decode", "http://d0:8200", "serving", 8, 2, 0, {"zone": "b"}, 2, None)
+    ]
