@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -12,28 +11,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.sim.fleet import ServerProcess
+from pd_router.sim import fleet
 
 
-class RouterProcess(ServerProcess):
-    """``python -m pd_router`` on 127.0.0.1, stopped by its own PID."""
-
-    name = "router"
-
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *args: str) -> None:
-        super().__init__(["--prefill", *prefill, "--decode", *decode, *args])
-
-    def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "pd_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *self.extra_args,
-        ]
+class RouterProcess(fleet.RouterProcess):
+    """The router as its CLI runs it, with what the tests read from it."""
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:  # nosec B310

@@ -221,6 +221,19 @@ class EngineProcess(ServerProcess):
         return _call("POST", f"{self.url}/sim/reset", {})
 
 
+class RouterProcess(ServerProcess):
+    """``python -m pd_router`` in front of the given engines, on 127.0.0.1."""
+
+    name = "router"
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *args: str) -> None:
+        super().__init__(["--prefill", *prefill, "--decode", *decode, *args])
+
+    def command(self) -> list[str]:
+        argv = [sys.executable, "-m", "pd_router", "--host", _HOST, "--port", str(self.port)]
+        return [*argv, *self.extra_args]
+
+
 class SimFleet:
     """N prefill and M decode engines, started together and all healthy inside ``with``."""
 
