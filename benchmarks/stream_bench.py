@@ -55,6 +55,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from pd_router.handshake import PREFILL_KV_PARAMS  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, ServerProcess, SimFleet  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -65,14 +66,6 @@ DONE = b"data: [DONE]"
 # Words after the unique first one, so every prompt is a few KV blocks long.
 FILLER = " ".join(f"w{i}" for i in range(40))
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60)
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 # --------------------------------------------------------------------------- processes

@@ -20,6 +20,8 @@ class RouterError(Exception):
     code: str | None = None
     # How the request ended, for metrics and logs; None: decided by where it failed.
     outcome: str | None = None
+    # Seconds a client should wait before retrying, when retrying makes sense.
+    retry_after: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -28,7 +30,7 @@ class RouterError(Exception):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {}
+        return {} if self.retry_after is None else {"Retry-After": self.retry_after}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -61,11 +63,8 @@ class Busy(RouterError):
     type = "rate_limit_error"
     code = "decode_nodes_busy"
     outcome = "rejected_busy"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        # A slot frees when some stream ends; a second is a sane, cheap retry interval.
-        return {"Retry-After": "1"}
+    # A slot frees when some stream ends; a second is a sane, cheap retry interval.
+    retry_after = "1"
 
 
 class QueueTimeout(Busy):
@@ -130,10 +129,7 @@ class Unavailable(RouterError):
     type = "service_unavailable"
     code = "no_live_node"
     outcome = "no_live_node"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+    retry_after = "1"
 
 
 class ShuttingDown(Unavailable):
