@@ -1,0 +1,73 @@
+"""Fixtures for tests that drive real vLLM engines (see engines.py in this folder).
+
+``vllm_pair`` (package scope) starts one prefill (kv_producer) + decode (kv_consumer) pair
+for all the tests in this folder and stops both after the last of them, so that the rest
+of the session does not run next to two engines (~3 GB RSS and a busy CPU each). Starting
+it takes 1-2 minutes (plus ~3 min the very first time, to install the vLLM venv), so tests
+that use it get a ``pytest.mark.timeout(900)`` unless they carry their own timeout marker:
+pytest-timeout counts fixture set-up against the first test that requests the fixture.
+
+The engines run with ``--block-size 32`` (the CPU default is 128): prefix caching works on
+full blocks only, and 32 makes ``cached_tokens`` observable with prompts of a few hundred
+tokens. The KV lease and the HTTP keep-alive are raised (see ``KV_LEASE`` and
+``ENGINE_KEEP_ALIVE``) so that the machine's stalls do not fail the tests.
+
+A test marked ``breaks_vllm_pair`` (it stops an engine for good) runs after every other
+test that uses the pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.real_vllm.engines import VllmPair
+
+REAL_VLLM_TIMEOUT = 900
+BLOCK_SIZE = 32
+# The prefill engine's KV lease (vLLM's default is 30 s). Longer, because this machine can
+# stall for tens of seconds (measured: 10-40 s several times an hour while two CPU engines
+# and other work share its 2 cores, a `sleep 5` loop included); a stall must not turn
+# into expired KV. Tests check that KV is freed far sooner than any lease.
+KV_LEASE = 120
+# The engines' HTTP keep-alive (vLLM's default is 5 s), above the router's 30 s for idle
+# upstream connections, so that a stall cannot make the engine close a connection the
+# router is about to reuse (see the report on stale keep-alive connections).
+ENGINE_KEEP_ALIVE = 75
+BREAKS_PAIR = "breaks_vllm_pair"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{BREAKS_PAIR}: stops an engine of the shared vLLM pair; runs last"
+    )
+
+
+def _uses_pair(item: pytest.Item) -> bool:
+    return "vllm_pair" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _uses_pair(item) and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(REAL_VLLM_TIMEOUT))
+    # Tests that break the pair go after the others that use it, in the same places of the
+    # session order (the rest of the session is not reordered).
+    slots = [i for i, item in enumerate(items) if _uses_pair(item)]
+    pair_items = [items[i] for i in slots]
+    ordered = [it for it in pair_items if not it.get_closest_marker(BREAKS_PAIR)]
+    ordered += [it for it in pair_items if it.get_closest_marker(BREAKS_PAIR)]
+    for i, item in zip(slots, ordered):
+        items[i] = item
+
+
+@pytest.fixture(scope="package")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
+    with VllmPair(
+        tmp_path_factory.mktemp("vllm-pair"),
+        extra_args=["--block-size", str(BLOCK_SIZE)],
+        kv_extra_config={"kv_lease_duration": KV_LEASE},
+        extra_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE)},
+    ) as pair:
+        yield pair
