@@ -21,6 +21,8 @@ import orjson
 
 from .errors import UpstreamError, upstream_message
 
+KEEPALIVE_SECONDS = 4.0
+
 # Every failure aiohttp reports for a peer that is gone, refuses, or stops talking.
 _FAILURES = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
@@ -75,8 +77,12 @@ class Upstream:
 
     async def start(self) -> None:
         # No cap on connections: the pool's slots are the admission control, and a cap
-        # below them would queue streams invisibly inside the client.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        # below them would queue streams invisibly inside the client. Idle connections are
+        # dropped before the engine's server does (uvicorn, and so vLLM, closes them after
+        # 5 s): reusing one the engine is closing fails the request that picked it.
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=self._timeout,

@@ -31,9 +31,9 @@ BLOCK_SIZE = 32
 # and other work share its 2 cores, a `sleep 5` loop included); a stall must not turn
 # into expired KV. Tests check that KV is freed far sooner than any lease.
 KV_LEASE = 120
-# The engines' HTTP keep-alive (vLLM's default is 5 s), above the router's 30 s for idle
-# upstream connections, so that a stall cannot make the engine close a connection the
-# router is about to reuse (see the report on stale keep-alive connections).
+# The engines' HTTP keep-alive (vLLM's default is 5 s). The router drops idle upstream
+# connections after 4 s, before the engine does; a long stall of this machine could still
+# let the engine close one the router is about to reuse, so the engines wait longer here.
 ENGINE_KEEP_ALIVE = 75
 BREAKS_PAIR = "breaks_vllm_pair"
 
