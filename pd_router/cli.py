@@ -184,6 +184,10 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         access_log=args.access_log,
         # uvicorn's loggers go through ours, so --log-format applies to them too.
         log_config=None,
+        # Hold idle client connections longer than clients keep them pooled (httpx and so
+        # the openai SDK: 5 s, uvicorn's own default too): otherwise a client reuses a
+        # connection the router is just closing, and its request fails.
+        timeout_keep_alive=75,
     )
     _Server(config, router).run()
 
