@@ -108,12 +108,12 @@ def test_a_dead_decode_engine_fails_only_its_own_streams(fleet: SimFleet) -> Non
         for stream in streams:
             stream.join(90)
         for stream in streams:
-            assert stream.failure is None and stream.status == 200, (
-                stream.rid,
-                stream.rid in on_victim,
-                stream.events[-2:],
-                router.log()[-2000:],
-            )
+            assert stream.failure is None, (stream.rid, stream.events[-2:], router.log()[-2000:])
+            if stream.rid in on_victim and stream.status != 200:
+                # It died before its first byte went out: one JSON error instead of an event.
+                assert stream.status == 502 and not stream.events
+                continue
+            assert stream.status == 200
             if stream.rid in on_victim:
                 assert len(stream.errors) == 1, stream.events
                 assert stream.events[-1] == "data: [DONE]"
@@ -207,10 +207,12 @@ def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
     with router_for(fleet, "--decode-slots", "8") as router:
         d0, d1 = fleet.decode
         ids = {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
-        early = [Stream(router, f"early {i}", 40, f"e{i}") for i in range(4)]
+        early = [Stream(router, f"early {i}", 100, f"e{i}") for i in range(4)]
         for stream in early:
             stream.start()
-        wait_for(lambda: d0.stats()["active"] == 2 and d1.stats()["active"] == 2, what="2 + 2")
+        wait_for(lambda: all(s.events for s in early), what="4 streams streaming")
+        on_d0 = d0.stats()["requests"]
+        assert on_d0 >= 1
         drained = admin(router, "POST", f"/nodes/{ids[d0.url]}/drain")
         assert drained.status_code == 202 and drained.json()["state"] == "draining"
         assert admin(router, "DELETE", f"/nodes/{ids[d0.url]}").status_code == 409
@@ -220,7 +222,7 @@ def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
         for stream in [*early, *late]:
             stream.join(30)
             assert stream.completed(), stream.events
-        assert d0.stats()["requests"] == 2, "no new request landed on the draining node"
+        assert d0.stats()["requests"] == on_d0, "no new request landed on the draining node"
         assert admin(router, "DELETE", f"/nodes/{ids[d0.url]}").status_code == 200
         with EngineProcess("decode", ["--slots", "8"]) as d2:
             added = admin(
