@@ -335,6 +335,11 @@ class Relay:
         try:
             async for data in answer.chunks():
                 ready = events.feed(data)
+                if events.done:
+                    # End the client's response with [DONE] itself: clients (the openai SDK)
+                    # hang up as soon as they see it.
+                    await client.end_events(ready)
+                    break
                 if ready:
                     await client.write(ready)
         except ValueError as exc:
@@ -342,7 +347,8 @@ class Relay:
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")
-        await client.end_events()
+        # The rest is the end of the chunked body: read it so the connection is reused.
+        await answer.read()
 
     async def _relay_json(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled

@@ -60,8 +60,8 @@ class ClientStream:
     async def write(self, data: bytes) -> None:
         await self._body(data, more=True)
 
-    async def end_events(self) -> None:
-        await self._body(b"", more=False)
+    async def end_events(self, last: bytes) -> None:
+        await self._body(last, more=False)
 
     async def fail(self, error: RouterError) -> None:
         if self.finished:
