@@ -1,63 +1,91 @@
 """HTTP to the engines: the router's only engine I/O.
 
-aiohttp, chosen by measurement: 25-42 µs of client CPU per streamed event at 256-1024
-concurrent streams against 137-204 µs for httpx 0.28 (see the README's Performance notes).
-It runs on asyncio only, which is what uvicorn serves the router on; the pool and the
-protocol code above stay backend-neutral.
+One pool of keep-alive connections per engine origin, no cap (the pool's slots are the
+admission control; a cap below them would queue streams invisibly here). Each request is
+written in one ``write`` with the headers the engines need and no others. It runs on
+asyncio, which is what uvicorn serves the router on; the pool and the protocol code above
+stay backend-neutral.
 
-Closing a response before its end closes its connection, which is how vLLM learns that
-the request is to be aborted; a response read to its end goes back to the keep-alive pool.
+Closing a response before its end closes its connection, which is how vLLM learns that the
+request is to be aborted; a response read to its end goes back to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 
+from .connection import ConnectionLost, EngineConnection, ProtocolViolation, ReadTimeout
 from .errors import UpstreamError, upstream_message
 
+# Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
+# closes them after 5 s): reusing one the engine is closing fails the request that picked it.
 KEEPALIVE_SECONDS = 4.0
 
-# Every failure aiohttp reports for a peer that is gone, refuses, or stops talking.
-_FAILURES = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+_LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
+
+
+class Target(NamedTuple):
+    origin: tuple[str, int, bool]  # host, port, TLS
+    host_header: bytes
+    path: bytes
+
+
+@lru_cache(maxsize=1024)
+def target(url: str) -> Target:
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or ""
+    port = parts.port or (443 if tls else 80)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return Target((host, port, tls), parts.netloc.encode("ascii"), path.encode("ascii"))
 
 
 class Response:
-    __slots__ = ("status", "_raw", "url")
+    __slots__ = ("status", "url", "_conn", "_upstream", "_read_timeout", "_released")
 
-    def __init__(self, raw: aiohttp.ClientResponse, url: str) -> None:
-        self.status = raw.status
-        self._raw = raw
+    def __init__(self, upstream: Upstream, conn: EngineConnection, status: int, url: str) -> None:
+        self.status = status
         self.url = url
+        self._conn = conn
+        self._upstream = upstream
+        self._read_timeout = upstream.read_timeout
+        self._released = False
 
     def close(self) -> None:
-        """Drop the connection unless the response was read to its end: the engine aborts.
-
-        Synchronous, so it also runs in a cancelled scope.
-        """
-        self._raw.close()
+        """Pool the connection if the answer was read to its end, else close it (the engine
+        aborts). Synchronous, so it also runs in a cancelled scope; only the first call
+        counts, as the connection may serve another request once pooled."""
+        if not self._released:
+            self._released = True
+            self._upstream.release(self._conn, self.url)
 
     async def read(self) -> bytes:
+        parts = []
         try:
-            return await self._raw.read()
-        except _FAILURES as exc:
+            while data := await self._conn.next_body(self._read_timeout):
+                parts.append(data)
+        except _LOST as exc:
             raise _failure(f"{self.url}: connection lost", exc) from None
+        return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Bytes as the engine sends them, coalesced when several arrived at once."""
-        content = self._raw.content
+        conn = self._conn
+        timeout = self._read_timeout
         try:
-            while True:
-                data = await content.readany()
-                if not data:
-                    return
+            while data := await conn.next_body(timeout):
                 yield data
-        except _FAILURES as exc:
+        except _LOST as exc:
             raise _failure(f"{self.url}: stream broken", exc) from None
 
     async def error(self) -> UpstreamError:
@@ -70,48 +98,27 @@ class Response:
 
 class Upstream:
     def __init__(self, *, connect_timeout: float, read_timeout: float) -> None:
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=connect_timeout, sock_read=read_timeout
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        # Per origin, idle connections, most recently used last (a dict is an ordered set).
+        self._idle: dict[tuple[str, int, bool], dict[EngineConnection, None]] = {}
+        self._tls: ssl.SSLContext | None = None
 
     async def start(self) -> None:
-        # No cap on connections: the pool's slots are the admission control, and a cap
-        # below them would queue streams invisibly inside the client. Idle connections are
-        # dropped before the engine's server does (uvicorn, and so vLLM, closes them after
-        # 5 s): reusing one the engine is closing fails the request that picked it.
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            skip_auto_headers=("User-Agent",),
-            auto_decompress=False,
-        )
+        pass
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("Upstream.start() was not awaited")
-        return self._session
+        for idle in self._idle.values():
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
 
     @asynccontextmanager
     async def post(self, url: str, body: Any, request_id: str) -> AsyncIterator[Response]:
         """POST ``body`` as JSON; yields once the engine's status and headers are in."""
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        try:
-            raw = await self.session.post(url, data=orjson.dumps(body), headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            message = f"{url}: unreachable: {_describe(exc)}"
-            raise UpstreamError(message, kind="unreachable") from None
-        except _FAILURES as exc:
-            raise _failure(f"{url}: no answer", exc) from None
-        response = Response(raw, url)
+        response = await self._request(
+            url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
+        )
         try:
             yield response
         finally:
@@ -120,23 +127,103 @@ class Upstream:
     async def probe(self, url: str, timeout: float) -> str | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as raw:
-                await raw.read()
-                return None if raw.status == 200 else f"health check answered {raw.status}"
-        except _FAILURES as exc:
-            return f"health check failed: {_describe(exc)}"
+            async with asyncio.timeout(timeout):
+                response = await self._request(url, b"GET")
+                try:
+                    await response.read()
+                finally:
+                    response.close()
+        except TimeoutError:
+            return f"health check failed: no answer within {timeout:g} s"
+        except UpstreamError as error:
+            return f"health check failed: {error.message}"
+        return None if response.status == 200 else f"health check answered {response.status}"
 
     async def get_json(self, url: str) -> Any:
+        response = await self._request(url, b"GET")
         try:
-            async with self.session.get(url) as raw:
-                raw.raise_for_status()
-                return await raw.json(content_type=None, loads=orjson.loads)
-        except (*_FAILURES, ValueError) as exc:
-            raise UpstreamError(f"{url}: {_describe(exc)}") from None
+            raw = await response.read()
+        finally:
+            response.close()
+        if response.status != 200:
+            raise UpstreamError(f"{url}: {upstream_message(response.status, raw)}")
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"{url}: answer is not JSON") from None
+
+    async def _request(
+        self, url: str, method: bytes, body: bytes = b"", headers: bytes = b""
+    ) -> Response:
+        where = target(url)
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s" % (
+            method,
+            where.path,
+            where.host_header,
+            headers,
+        )
+        if body:
+            head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        conn = self._pooled(where.origin) or await self._connect(url, where.origin)
+        try:
+            conn.send(head + b"\r\n" + body)
+            status = await conn.head(self.read_timeout)
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, _LOST):
+                raise _failure(f"{url}: no answer", exc) from None
+            raise
+        return Response(self, conn, status, url)
+
+    def release(self, conn: EngineConnection, url: str) -> None:
+        if not conn.reusable:
+            conn.close()
+            return
+        idle = self._idle.setdefault(target(url).origin, {})
+        conn.idle_since = asyncio.get_running_loop().time()
+        conn.on_lost = lambda lost: idle.pop(lost, None)
+        idle[conn] = None
+
+    def _pooled(self, origin: tuple[str, int, bool]) -> EngineConnection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        too_old = asyncio.get_running_loop().time() - KEEPALIVE_SECONDS
+        while idle:
+            conn, _ = idle.popitem()
+            conn.on_lost = None
+            if conn.idle_since >= too_old and conn.reusable:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, url: str, origin: tuple[str, int, bool]) -> EngineConnection:
+        host, port, tls = origin
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    EngineConnection, host, port, ssl=self._tls_context() if tls else None
+                )
+        except TimeoutError:
+            message = f"{url}: no answer: connect timed out after {self.connect_timeout:g} s"
+            raise UpstreamError(message, kind="timeout") from None
+        except OSError as exc:
+            raise UpstreamError(
+                f"{url}: unreachable: {_describe(exc)}", kind="unreachable"
+            ) from None
+        return conn
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
 
 
 def _failure(context: str, exc: BaseException) -> UpstreamError:
-    kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "broken_stream"
+    kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
+    if isinstance(exc, ProtocolViolation):
+        kind = "protocol"
     return UpstreamError(f"{context}: {_describe(exc)}", kind=kind)
 
 
