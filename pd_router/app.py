@@ -12,7 +12,7 @@ import anyio
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -21,6 +21,7 @@ from .admin import admin_routes
 from .errors import PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe_forever
 from .relay import Relay, Router
+from .response import ClientStream
 from .validation import PATHS, Endpoint, parse_body, request_id
 
 MAX_BODY_BYTES = 32 << 20
@@ -41,22 +42,47 @@ class OpenAIRoute:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        rid = request_id(request.headers.get("x-request-id"))
+        declared = b""
+        rid_header: str | None = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                rid_header = value.decode("latin-1")
+            elif name == b"content-length":
+                declared = value
+        rid = request_id(rid_header)
         try:
             if self.router.shutting_down:
                 raise ShuttingDown("router shutting down")
-            body = parse_body(await _read_body(request, self.max_body_bytes), self.endpoint)
+            raw = await _read_body(receive, declared, self.max_body_bytes)
+            if raw is None:
+                self.router.telemetry.count(self.endpoint, "client_aborted")
+                return
+            body = parse_body(raw, self.endpoint)
         except RouterError as error:
             self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
-            response = error_response(error)
-            response.headers["x-request-id"] = rid
-            await response(scope, receive, send)
-            return
-        except ClientDisconnect:
-            self.router.telemetry.count(self.endpoint, "client_aborted")
+            answer = ClientStream(rid)
+            answer.attach(send)
+            await answer.fail(error)
             return
         await Relay(self.router, self.endpoint, body, rid)(scope, receive, send)
+
+
+class RouterApp:
+    """The ASGI entry point. The OpenAI POST routes go straight to their endpoint: the
+    framework's middleware would wrap every streamed chunk's ``send``. Everything else,
+    those routes' other methods included, is the Starlette app's."""
+
+    def __init__(self, openai: dict[str, OpenAIRoute], rest: Starlette) -> None:
+        self.openai = openai
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = self.openai.get(scope["path"])
+            if route is not None:
+                await route(scope, receive, send)
+                return
+        await self.rest(scope, receive, send)
 
 
 @dataclass(frozen=True)
@@ -68,7 +94,7 @@ class AppOptions:
     shutdown_timeout: float = 30.0
 
 
-def create_app(router: Router, options: AppOptions | None = None) -> Starlette:
+def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     options = options or AppOptions()
     registry = router.telemetry.registry
     fleet = router.fleet
@@ -137,22 +163,18 @@ def create_app(router: Router, options: AppOptions | None = None) -> Starlette:
         finally:
             await router.upstream.close()
 
+    openai = {
+        PATHS[endpoint]: OpenAIRoute(router, endpoint, options.max_body_bytes) for endpoint in PATHS
+    }
     routes = [
-        *(
-            Route(
-                PATHS[endpoint],
-                OpenAIRoute(router, endpoint, options.max_body_bytes),
-                methods=["POST"],
-            )
-            for endpoint in PATHS
-        ),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in openai.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
         routes.extend(admin_routes(router, options.admin_token))
-    return Starlette(routes=routes, lifespan=lifespan)
+    return RouterApp(openai, Starlette(routes=routes, lifespan=lifespan))
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:
@@ -163,18 +185,23 @@ async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float)
         binding.handle.fail(ShuttingDown("router shut down before this request finished"))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
+async def _read_body(receive: Receive, declared: bytes, limit: int) -> bytes | None:
+    """The request body, or None if the client left before sending all of it."""
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     chunks = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body is larger than {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _json(document: Any, status: int = 200) -> Response:

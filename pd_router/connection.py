@@ -82,8 +82,8 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        if self.head_done and not self.complete and not self._framed:
-            self.complete = True  # an unframed body ends when the peer closes
+        if exc is None and self.head_done and not self.complete and not self._framed:
+            self.complete = True  # an unframed body ends when the peer closes (not resets)
         if self.error is None and not self.complete:
             detail = f": {exc}" if exc is not None else ""
             self.error = ConnectionLost(f"connection closed by the engine{detail}")
@@ -93,6 +93,12 @@ class EngineConnection(asyncio.Protocol):
             self.on_lost(self)
 
     # ------------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if not self._expecting:
+            # A second answer in the same bytes as the one asked for; raising here makes
+            # feed_data fail, so it is not appended to the first answer's body.
+            raise ProtocolViolation("the engine sent bytes nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() in (b"content-length", b"transfer-encoding"):

@@ -100,6 +100,8 @@ class Client:
 
     async def send(self, message: dict[str, Any]) -> None:
         self.messages.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            self.gone.set()  # as ASGI servers do: receive() reports a disconnect from now on
 
 
 def outcomes(router: Router) -> dict[tuple[str, str], int]:
