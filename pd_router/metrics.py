@@ -1,18 +1,24 @@
 """/metrics: Prometheus exposition through ``prometheus-client``.
 
-Counts the request path keeps anyway (outcomes, upstream errors, slots, node states) are
-plain integers read by a collector at scrape time; only the four latency histograms are
-observed per request, through children bound once. Nothing is done per streamed chunk.
+Everything is plain integers and floats kept by the request path (outcomes, upstream
+errors, slots, node states, the four latency histograms' buckets) and turned into metric
+families by one collector at scrape time: a request pays a ``bisect`` and an increment per
+histogram, not prometheus-client's locks and per-bucket loop. Nothing is done per chunk.
 Labels are bounded: endpoint, outcome, node id/url/role, error kind; never a request id.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .fleet import Fleet
@@ -48,30 +54,58 @@ class Timings:
     duration: float
 
 
+class Histogram:
+    """Bucket counts for one latency; exposed in Prometheus' cumulative form at scrape."""
+
+    __slots__ = ("name", "help", "counts", "sum")
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.help = text
+        self.counts = [0] * (len(_BUCKETS) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        # Prometheus buckets are "less than or equal": bisect_left puts an exact bound in it.
+        self.counts[bisect_left(_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative = []
+        total = 0
+        for bound, count in zip((*map(_bound, _BUCKETS), "+Inf"), self.counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        return HistogramMetricFamily(self.name, self.help, buckets=cumulative, sum_value=self.sum)
+
+
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))
+
+
 class Telemetry:
     def __init__(self, fleet: Fleet) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        # Every series exists from the start, so rates and alerts see a 0, not a gap.
         self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
         self.upstream_errors: dict[tuple[Node, str], int] = {}
-
-        def histogram(name: str, text: str) -> Histogram:
-            return Histogram(name, text, buckets=_BUCKETS, registry=self.registry)
-
-        self._queue_wait = histogram(
+        self.queue_wait = Histogram(
             "pd_router_queue_wait_seconds", "Time from arrival to a reserved decode slot."
         )
-        self._prefill = histogram(
+        self.prefill = Histogram(
             "pd_router_prefill_duration_seconds", "Prefill request duration, retries included."
         )
-        self._ttft = histogram(
+        self.ttft = Histogram(
             "pd_router_time_to_first_token_seconds",
             "Time from arrival to the first byte of the answer sent to the client.",
         )
-        self._duration = histogram(
+        self.duration = Histogram(
             "pd_router_request_duration_seconds", "Time from arrival to the request's end."
         )
         self.registry.register(_StateCollector(fleet, self))
+
+    @property
+    def histograms(self) -> tuple[Histogram, ...]:
+        return (self.queue_wait, self.prefill, self.ttft, self.duration)
 
     def count(self, endpoint: str, outcome: str) -> None:
         key = (endpoint, outcome)
@@ -83,12 +117,12 @@ class Telemetry:
 
     def observe(self, timings: Timings) -> None:
         if timings.queued is not None:
-            self._queue_wait.observe(timings.queued)
+            self.queue_wait.observe(timings.queued)
         if timings.prefill is not None:
-            self._prefill.observe(timings.prefill)
+            self.prefill.observe(timings.prefill)
         if timings.ttft is not None:
-            self._ttft.observe(timings.ttft)
-        self._duration.observe(timings.duration)
+            self.ttft.observe(timings.ttft)
+        self.duration.observe(timings.duration)
 
 
 class _StateCollector(Collector):
@@ -149,3 +183,5 @@ class _StateCollector(Collector):
         yield in_use
         yield state
         yield failures
+        for histogram in self._telemetry.histograms:
+            yield histogram.family()

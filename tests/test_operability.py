@@ -120,3 +120,22 @@ def test_a_queue_timeout_is_counted_as_such(fleet: SimFleet) -> None:
         assert delta(after, before, count("queue_wait")) == 1, "only the holder got a slot"
         line = next(x for x in router.log().splitlines() if "outcome=rejected_timeout" in x)
         assert "decode_node=None" in line and "queued_s=None" in line
+
+
+def test_latency_histograms_count_a_bound_in_its_own_bucket() -> None:
+    from pd_router.metrics import Histogram
+
+    histogram = Histogram("pd_router_x_seconds", "x")
+    for seconds in (0.001, 0.0011, 0.3, 400.0):
+        histogram.observe(seconds)
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for sample in histogram.family().samples
+    }
+    buckets = {le: value for (name, le), value in samples.items() if name.endswith("_bucket")}
+    # Prometheus buckets are cumulative and "less than or equal".
+    assert buckets["0.001"] == 1 and buckets["0.005"] == 2
+    assert buckets["0.25"] == 2 and buckets["0.5"] == 3 and buckets["300.0"] == 3
+    assert buckets["+Inf"] == 4
+    assert samples[("pd_router_x_seconds_count", None)] == 4
+    assert samples[("pd_router_x_seconds_sum", None)] == 0.001 + 0.0011 + 0.3 + 400.0
