@@ -26,8 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +80,9 @@ class Router:
 
 
 class Relay:
+    # The decode slot held, set as soon as it is reserved (``_run``).
+    _reservation: Reservation
+
     def __init__(
         self, router: Router, endpoint: Endpoint, body: dict[str, Any], request_id: str
     ) -> None:
@@ -165,7 +167,7 @@ class Relay:
 
     def close_upstream(self) -> None:
         """Close every engine connection of this request now (the engines abort)."""
-        for response in list(self._open):
+        for response in self._open:
             response.close()
 
     async def _watch(self, receive: Receive) -> None:
@@ -186,48 +188,55 @@ class Relay:
     async def _run(self, client: ClientStream) -> None:
         router = self.router
         fleet = router.fleet
-        # One stack, unwound in reverse: engine connections closed, bindings removed, slot
-        # released. ``enter_async_context`` registers the release with no checkpoint after
-        # the reservation is made (see pool.py).
-        async with AsyncExitStack() as held:
-            reservation = await held.enter_async_context(
-                fleet.pool.reserve(router.settings.queue_timeout)
-            )
-            self._queued = time.perf_counter() - self._arrived
-            self._decode_node = reservation.node
-            if reservation.waited > 0.1:
-                log.info(
-                    "queued %.1fs for decode node %s request_id=%s",
-                    reservation.waited,
-                    reservation.node.url,
-                    self.request_id,
-                )
-            binding = held.enter_context(fleet.bind(self, reservation.node))
-            self.outcome = "prefill_error"
-            prefill_started = time.perf_counter()
-            prefilled = await self._prefill(binding)
-            self._prefill_seconds = time.perf_counter() - prefill_started
-            self.outcome = "decode_error"
-            answer = await self._decode(held, binding, reservation, prefilled)
-            if answer is None or self.client_gone:
-                return
+        # Unwound in reverse: engine connections closed, binding removed, slot released.
+        # ``reserve`` puts the reservation inside the ``try`` that releases it (pool.py).
+        async with fleet.pool.reserve(router.settings.queue_timeout) as reservation:
+            self._reservation = reservation
+            try:
+                self._queued = time.perf_counter() - self._arrived
+                self._decode_node = reservation.node
+                if reservation.waited > 0.1:
+                    log.info(
+                        "queued %.1fs for decode node %s request_id=%s",
+                        reservation.waited,
+                        reservation.node.url,
+                        self.request_id,
+                    )
+                with fleet.bind(self, reservation.node) as binding:
+                    try:
+                        await self._serve(client, binding)
+                    finally:
+                        self.close_upstream()
+            finally:
+                # ``_decode`` may have moved the request to another node's slot.
+                self._reservation.release()
+
+    async def _serve(self, client: ClientStream, binding: Binding) -> None:
+        self.outcome = "prefill_error"
+        prefill_started = time.perf_counter()
+        prefilled = await self._prefill(binding)
+        self._prefill_seconds = time.perf_counter() - prefill_started
+        self.outcome = "decode_error"
+        answer = await self._decode(binding, prefilled)
+        if answer is None or self.client_gone:
+            return
+        node = binding.decode
+        try:
             if answer.status != 200:
                 raise await answer.error()
             if self.stream:
                 await self._relay_events(client, answer, prefilled)
             else:
                 await self._relay_json(client, answer, prefilled)
-            self.outcome = "ok"
+        except UpstreamError as error:
+            self._engine_failed(node, error)
+            raise
+        self.router.fleet.succeeded(node)
+        self.outcome = "ok"
 
-    async def _decode(
-        self,
-        held: AsyncExitStack,
-        binding: Binding,
-        reservation: Reservation,
-        prefilled: handshake.Prefilled,
-    ) -> Response | None:
+    async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Response | None:
         try:
-            return await self._handoff_to(held, binding.decode, prefilled)
+            return await self._handoff_to(binding.decode, prefilled)
         except UpstreamError as error:
             if not error.unreachable:
                 raise
@@ -235,16 +244,16 @@ class Relay:
         # Nothing reached that engine and the KV still waits on the prefill engine: any
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
-        reservation.release()
+        self._reservation.release()
         other = pool.try_acquire()
         if other is None:
             if not any(node.serving for node in pool.nodes):
                 raise Unavailable("no live decode node")
             raise refused
-        held.callback(other.release)
+        self._reservation = other
         self.router.fleet.set_decode(binding, other.node)
         self._decode_node = other.node
-        return await self._handoff_to(held, other.node, prefilled)
+        return await self._handoff_to(other.node, prefilled)
 
     async def _prefill(self, binding: Binding) -> handshake.Prefilled:
         """Prefill on the next live node; once more on another one if that engine failed."""
@@ -269,24 +278,32 @@ class Relay:
 
     async def _prefill_on(self, node: Node, binding: Binding) -> handshake.Prefilled:
         fleet = self.router.fleet
-        body = handshake.prefill_body(self.body)
         fleet.set_prefill(binding, node)
         self._prefill_node = node
         try:
-            async with self._exchange(node, body) as answer:
+            answer = await self._send(node, handshake.prefill_body(self.body))
+            try:
                 if answer.status != 200:
                     raise await answer.error()
                 raw = await answer.read()
                 try:
-                    return handshake.Prefilled(orjson.loads(raw))
+                    prefilled = handshake.Prefilled(orjson.loads(raw))
                 except orjson.JSONDecodeError:
                     raise UpstreamError(f"{answer.url}: prefill answer is not JSON") from None
+            except UpstreamError as error:
+                self._engine_failed(node, error)
+                raise
+            finally:
+                # Read to its end: the connection goes back to the pool now, not when the
+                # request ends.
+                self._open.remove(answer)
+                answer.close()
         finally:
             fleet.set_prefill(binding, None)
+        fleet.succeeded(node)
+        return prefilled
 
-    async def _handoff_to(
-        self, held: AsyncExitStack, node: Node, prefilled: handshake.Prefilled
-    ) -> Response | None:
+    async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Response | None:
         """Send the decode request; shielded until the decode engine has taken it.
 
         Returns None when the client left and the engine did not answer within the grace.
@@ -301,7 +318,7 @@ class Relay:
                     body = handshake.drain_body(self.body, params)
                 else:
                     body = handshake.decode_body(self.body, params)
-                answer = await held.enter_async_context(self._exchange(node, body))
+                answer = await self._send(node, body)
                 if drain and answer.status == 200:
                     # Read the drain's one token: by then the KV has been pulled.
                     await answer.read()
@@ -310,45 +327,40 @@ class Relay:
                 self._handoff = None
         return None
 
-    @asynccontextmanager
-    async def _exchange(self, node: Node, body: dict[str, Any]) -> AsyncIterator[Response]:
-        """One request to ``node``, with what it says about the node's health recorded."""
-        fleet = self.router.fleet
+    async def _send(self, node: Node, body: dict[str, Any]) -> Response:
+        """One request to ``node``; the answer is closed when the request ends, if not before."""
         try:
-            async with self.router.upstream.post(
-                node.url + self.path, body, self.request_id
-            ) as answer:
-                self._open.append(answer)
-                try:
-                    yield answer
-                finally:
-                    self._open.remove(answer)
+            answer = await self.router.upstream.post(node.url + self.path, body, self.request_id)
         except UpstreamError as error:
-            # Our own hang-ups and aborts say nothing about the engine.
-            if self._failure is None and not self.client_gone:
-                self.router.telemetry.upstream_error(node, error.kind)
-                if error.engine_fault:
-                    fleet.failed(node, error.message, fatal=error.unreachable)
+            self._engine_failed(node, error)
             raise
-        fleet.succeeded(node)
+        self._open.append(answer)
+        return answer
+
+    def _engine_failed(self, node: Node, error: UpstreamError) -> None:
+        # Our own hang-ups and aborts say nothing about the engine.
+        if self._failure is None and not self.client_gone:
+            self.router.telemetry.upstream_error(node, error.kind)
+            if error.engine_fault:
+                self.router.fleet.failed(node, error.message, fatal=error.unreachable)
 
     async def _relay_events(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
     ) -> None:
         events = EventRelay(prefilled.fix_usage)
         await client.start_events()
-        try:
-            async for data in answer.chunks():
+        while data := await answer.next_chunk():
+            try:
                 ready = events.feed(data)
-                if events.done:
-                    # End the client's response with [DONE] itself: clients (the openai SDK)
-                    # hang up as soon as they see it.
-                    await client.end_events(ready)
-                    break
-                if ready:
-                    await client.write(ready)
-        except ValueError as exc:
-            raise UpstreamError(f"{answer.url}: {exc}") from None
+            except ValueError as exc:
+                raise UpstreamError(f"{answer.url}: {exc}") from None
+            if events.done:
+                # End the client's response with [DONE] itself: clients (the openai SDK)
+                # hang up as soon as they see it.
+                await client.end_events(ready)
+                break
+            if ready:
+                await client.write(ready)
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")

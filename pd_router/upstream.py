@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -61,6 +59,12 @@ class Response:
         self._read_timeout = upstream.read_timeout
         self._released = False
 
+    def __enter__(self) -> Response:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Pool the connection if the answer was read to its end, else close it (the engine
         aborts). Synchronous, so it also runs in a cancelled scope; only the first call
@@ -78,13 +82,12 @@ class Response:
             raise _failure(f"{self.url}: connection lost", exc) from None
         return b"".join(parts)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Bytes as the engine sends them, coalesced when several arrived at once."""
-        conn = self._conn
-        timeout = self._read_timeout
+    async def next_chunk(self) -> bytes:
+        """The bytes that arrived since the last call (several chunks coalesced), waiting
+        for some; ``b""`` once the answer ended. A plain coroutine, not an async generator:
+        a generator left before its end would be finalized through the event loop."""
         try:
-            while data := await conn.next_body(timeout):
-                yield data
+            return await self._conn.next_body(self._read_timeout)
         except _LOST as exc:
             raise _failure(f"{self.url}: stream broken", exc) from None
 
@@ -113,26 +116,21 @@ class Upstream:
                 conn.close()
         self._idle.clear()
 
-    @asynccontextmanager
-    async def post(self, url: str, body: Any, request_id: str) -> AsyncIterator[Response]:
-        """POST ``body`` as JSON; yields once the engine's status and headers are in."""
-        response = await self._request(
+    async def post(self, url: str, body: Any, request_id: str) -> Response:
+        """POST ``body`` as JSON; returns once the engine's status and headers are in.
+
+        The caller closes the response (``with``, or ``close()``) when done with it.
+        """
+        return await self._request(
             url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
         )
-        try:
-            yield response
-        finally:
-            response.close()
 
     async def probe(self, url: str, timeout: float) -> str | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
         try:
             async with asyncio.timeout(timeout):
-                response = await self._request(url, b"GET")
-                try:
+                with await self._request(url, b"GET") as response:
                     await response.read()
-                finally:
-                    response.close()
         except TimeoutError:
             return f"health check failed: no answer within {timeout:g} s"
         except UpstreamError as error:
@@ -140,11 +138,8 @@ class Upstream:
         return None if response.status == 200 else f"health check answered {response.status}"
 
     async def get_json(self, url: str) -> Any:
-        response = await self._request(url, b"GET")
-        try:
+        with await self._request(url, b"GET") as response:
             raw = await response.read()
-        finally:
-            response.close()
         if response.status != 200:
             raise UpstreamError(f"{url}: {upstream_message(response.status, raw)}")
         try:

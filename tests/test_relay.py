@@ -6,8 +6,7 @@ answered; a decode engine that never takes the request) are driven here step by 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -46,8 +45,9 @@ class ScriptedResponse:
         await self._before_read()
         return self._body
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        yield self._body
+    async def next_chunk(self) -> bytes:
+        body, self._body = self._body, b""
+        return body
 
     async def error(self) -> UpstreamError:
         kind = "http_4xx" if self.status < 500 else "http_5xx"
@@ -70,8 +70,7 @@ class ScriptedUpstream:
         self.status: dict[str, int] = {}
         self.close_error: Exception | None = None
 
-    @asynccontextmanager
-    async def post(self, url: str, body: Any, request_id: str) -> AsyncIterator[ScriptedResponse]:
+    async def post(self, url: str, body: Any, request_id: str) -> ScriptedResponse:
         self.sent.append((url, body))
         if url.startswith("http://prefill"):
             response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
@@ -79,12 +78,10 @@ class ScriptedUpstream:
             await self.decode_headers()
             response = ScriptedResponse(url, DECODE_ANSWER, self.on_decode_read)
         response.status = self.status.get(url.split("/v1")[0], 200)
-        response.close_error = self.close_error
+        if not url.startswith("http://prefill"):
+            response.close_error = self.close_error  # closing the decode stream fails
         self.responses.append(response)
-        try:
-            yield response
-        finally:
-            response.closed = True
+        return response
 
 
 class Client:

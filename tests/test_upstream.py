@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import pytest
 from pd_router import upstream as upstream_module
 from pd_router.connection import HIGH_WATER, EngineConnection
 from pd_router.errors import UpstreamError
-from pd_router.upstream import Upstream
+from pd_router.upstream import Response, Upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -40,6 +40,11 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
         pytest.importorskip("uvloop")
         return ("asyncio", {"use_uvloop": True})
     return "asyncio"
+
+
+async def chunks(response: Response) -> AsyncIterator[bytes]:
+    while data := await response.next_chunk():
+        yield data
 
 
 # ---------------------------------------------------------------------------- scripted engine
@@ -237,7 +242,7 @@ async def test_post_sends_one_well_formed_request_and_reads_a_content_length_ans
     payload = {"prompt": "h\u00e9llo \u2713", "max_tokens": 3, "stream": False, "n": None}
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = f"{engine.url}/prefix/v1/completions"
-        async with client.post(url, payload, "req-\u00e91") as response:
+        with await client.post(url, payload, "req-\u00e91") as response:
             assert response.status == 200
             assert response.url == url
             assert await response.read() == reply
@@ -267,7 +272,7 @@ async def test_read_of_a_chunked_answer_sent_in_pieces() -> None:
         await conn.until_gone()
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        async with client.post(engine.url + "/v1/completions", {}, "r") as response:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
             assert await response.read() == b"hello world"
             # Read to its end: the connection went back to the pool.
         assert len(idle(client)) == 1
@@ -314,13 +319,13 @@ async def test_chunks_stream_in_order_coalesced_and_the_connection_is_reused() -
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
         got = []
-        async with client.post(url, {"stream": True}, "a") as response:
-            async for data in response.chunks():
+        with await client.post(url, {"stream": True}, "a") as response:
+            async for data in chunks(response):
                 got.append(data)
                 client_took.set()
         # Each write as its own piece, as soon as it arrived; the pair coalesced.
         assert got == [events[0], events[1], events[2] + events[3]]
-        async with client.post(url, {}, "b") as response:
+        with await client.post(url, {}, "b") as response:
             assert await response.read() == b"second"
 
     assert len(engine.connections) == 1
@@ -340,13 +345,12 @@ async def test_an_answer_not_read_to_its_end_closes_its_connection() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "abandoned") as response:
-            async with aclosing(response.chunks()) as stream:
-                assert await anext(stream) == b"data: 1\n\n"
+        with await client.post(url, {}, "abandoned") as response:
+            assert await response.next_chunk() == b"data: 1\n\n"
         # The engine sees its peer go: that is how it learns to abort the request.
         await within(engine.connections[0].gone.wait())
         assert idle(client) == []
-        async with client.post(url, {}, "next") as response:
+        with await client.post(url, {}, "next") as response:
             assert await response.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
@@ -359,10 +363,10 @@ async def test_an_answer_that_arrived_whole_but_was_not_read_leaves_no_stale_byt
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "unread") as response:
+        with await client.post(url, {}, "unread") as response:
             conn = response._conn
             await until(lambda: conn.complete)  # all in, none taken
-        async with client.post(url, {}, "next") as response:
+        with await client.post(url, {}, "next") as response:
             assert await response.read() == b"next"
 
 
@@ -372,17 +376,17 @@ async def test_a_second_close_does_not_close_a_connection_reused_meanwhile() -> 
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "first") as first:
+        with await client.post(url, {}, "first") as first:
             assert await first.read() == b"ok"
             first.close()  # pooled
-            async with client.post(url, {}, "second") as second:
+            with await client.post(url, {}, "second") as second:
                 assert second._conn is first._conn
                 first.close()  # must not touch the connection `second` now uses
                 assert await second.read() == b"ok"
         # The context manager's own close of `first` ran last: still nothing closed.
         [pooled] = idle(client)
         assert pooled is first._conn
-        async with client.post(url, {}, "third") as third:
+        with await client.post(url, {}, "third") as third:
             assert await third.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [3]
@@ -397,7 +401,7 @@ async def test_cancelled_while_waiting_for_the_head_closes_the_connection() -> N
     async with scripted_engine(handler) as engine, engine_client(read_timeout=5) as client:
 
         async def call() -> None:
-            async with client.post(engine.url + "/v1/completions", {}, "r"):
+            with await client.post(engine.url + "/v1/completions", {}, "r"):
                 pass
 
         task = asyncio.ensure_future(call())
@@ -418,12 +422,12 @@ async def test_an_idle_connection_the_engine_closed_is_replaced() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "a") as response:
+        with await client.post(url, {}, "a") as response:
             assert await response.read() == b"ok"
         # The router notices the peer's FIN and drops the connection from its pool...
         await until(lambda: idle(client) == [])
         # ...so the next request opens a new one.
-        async with client.post(url, {}, "b") as response:
+        with await client.post(url, {}, "b") as response:
             assert await response.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
@@ -439,12 +443,12 @@ async def test_a_connection_idle_longer_than_keepalive_is_not_reused(
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "a") as response:
+        with await client.post(url, {}, "a") as response:
             assert await response.read() == b"ok"
-        async with client.post(url, {}, "b") as response:  # fresh: reused
+        with await client.post(url, {}, "b") as response:  # fresh: reused
             assert await response.read() == b"ok"
         await asyncio.sleep(0.1)
-        async with client.post(url, {}, "c") as response:  # too old: a new connection
+        with await client.post(url, {}, "c") as response:  # too old: a new connection
             assert await response.read() == b"ok"
         # ...and the old one was closed, not left open.
         await within(engine.connections[0].gone.wait())
@@ -461,7 +465,7 @@ async def test_an_answer_saying_connection_close_is_not_pooled() -> None:
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
         for request_id in ("a", "b"):
-            async with client.post(url, {}, request_id) as response:
+            with await client.post(url, {}, request_id) as response:
                 assert await response.read() == b"ok"
             assert idle(client) == []
         await within(engine.connections[0].gone.wait())
@@ -479,10 +483,10 @@ async def test_bytes_the_engine_sends_while_idle_drop_the_connection() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "a") as response:
+        with await client.post(url, {}, "a") as response:
             assert await response.read() == b"ok"
         await until(lambda: idle(client) == [])
-        async with client.post(url, {}, "b") as response:
+        with await client.post(url, {}, "b") as response:
             assert await response.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
@@ -497,12 +501,12 @@ async def test_a_second_answer_in_the_same_bytes_is_not_taken_for_body() -> None
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "a") as response:
+        with await client.post(url, {}, "a") as response:
             assert await response.read() == b"ok"
         # A connection out of step with its engine is dropped, not pooled.
         assert idle(client) == []
         await within(engine.connections[0].gone.wait())
-        async with client.post(url, {}, "b") as response:
+        with await client.post(url, {}, "b") as response:
             assert await response.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
@@ -516,7 +520,7 @@ async def test_connection_refused_is_unreachable() -> None:
         url = f"http://{HOST}:{sock.getsockname()[1]}/v1/completions"
         async with engine_client() as client:
             with pytest.raises(UpstreamError) as caught:
-                async with client.post(url, {}, "r"):
+                with await client.post(url, {}, "r"):
                     pass
     assert caught.value.kind == "unreachable"
     assert caught.value.unreachable
@@ -545,7 +549,7 @@ async def test_connect_timeout() -> None:
             async with engine_client(connect_timeout=0.2, read_timeout=5) as client:
                 started = time.monotonic()
                 with pytest.raises(UpstreamError) as caught:
-                    async with client.post(f"http://{HOST}:{port}/v1/completions", {}, "r"):
+                    with await client.post(f"http://{HOST}:{port}/v1/completions", {}, "r"):
                         pass
                 elapsed = time.monotonic() - started
         finally:
@@ -564,7 +568,7 @@ async def test_no_answer_is_a_timeout_and_the_connection_is_closed() -> None:
     async with scripted_engine(handler) as engine, engine_client(read_timeout=0.2) as client:
         started = time.monotonic()
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r"):
+            with await client.post(engine.url + "/v1/completions", {}, "r"):
                 pass
         elapsed = time.monotonic() - started
         await within(engine.connections[0].gone.wait())
@@ -581,8 +585,8 @@ async def test_a_stall_mid_stream_is_a_timeout_after_the_bytes_that_arrived() ->
     async with scripted_engine(handler) as engine, engine_client(read_timeout=0.2) as client:
         got = []
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in response.chunks():
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                async for data in chunks(response):
                     got.append(data)
         await within(engine.connections[0].gone.wait())
     assert got == [b"data: 1\n\n"]
@@ -602,8 +606,8 @@ async def test_engine_gone_mid_chunked_body_is_a_broken_stream_after_its_bytes(
     async with scripted_engine(handler) as engine, engine_client() as client:
         got = []
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in response.chunks():
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                async for data in chunks(response):
                     got.append(data)
         assert idle(client) == []
     assert b"".join(got) == b"data: 1\n\ndata: 2\n\n"
@@ -619,7 +623,7 @@ async def test_a_content_length_body_cut_short_is_a_broken_stream() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r") as response:
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
                 await response.read()
     assert caught.value.kind == "broken_stream"
 
@@ -631,7 +635,7 @@ async def test_an_engine_that_closes_without_answering_is_a_broken_stream() -> N
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r"):
+            with await client.post(engine.url + "/v1/completions", {}, "r"):
                 pass
     assert caught.value.kind == "broken_stream"
     assert "no answer" in caught.value.message
@@ -645,7 +649,7 @@ async def test_garbage_instead_of_http_is_a_protocol_error() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r"):
+            with await client.post(engine.url + "/v1/completions", {}, "r"):
                 pass
         # The router drops a connection it cannot parse.
         await within(engine.connections[0].gone.wait())
@@ -661,8 +665,8 @@ async def test_an_invalid_chunk_is_a_protocol_error_after_the_valid_bytes() -> N
     async with scripted_engine(handler) as engine, engine_client() as client:
         got = []
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in response.chunks():
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                async for data in chunks(response):
                     got.append(data)
         await within(engine.connections[0].gone.wait())
     assert got == [b"data: 1\n\n"]
@@ -696,7 +700,7 @@ async def test_error_carries_the_engines_status_kind_and_message(
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
         for request_id in ("a", "b"):
-            async with client.post(url, {}, request_id) as response:
+            with await client.post(url, {}, request_id) as response:
                 assert response.status == status
                 error = await response.error()
             assert error.kind == kind
@@ -773,7 +777,7 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        async with client.post(url, {}, "r") as response:
+        with await client.post(url, {}, "r") as response:
             await within(stalled.wait(), 1.5)
             conn = response._conn
             assert conn._transport is not None
@@ -788,7 +792,7 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
         assert len(received) == total
         assert received == payload
         # Back-pressure left the connection fit for reuse.
-        async with client.post(url, {}, "again") as response:
+        with await client.post(url, {}, "again") as response:
             assert await response.read() == b"ok"
 
     assert [len(conn.requests) for conn in engine.connections] == [2]
@@ -799,7 +803,7 @@ async def test_engine_connections_set_tcp_nodelay() -> None:
         await serve_requests(conn, answer(200, b"ok"))
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        async with client.post(engine.url + "/v1/completions", {}, "r") as response:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
             transport = response._conn._transport
             assert transport is not None
             sock = transport.get_extra_info("socket")
@@ -833,7 +837,7 @@ async def test_an_unframed_body_ends_when_the_engine_closes() -> None:
         conn.close()
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        async with client.post(engine.url + "/v1/completions", {}, "r") as response:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
             assert await response.read() == b"first second"
         assert idle(client) == []
 
@@ -848,8 +852,8 @@ async def test_an_unframed_body_cut_by_a_reset_is_a_broken_stream() -> None:
     async with scripted_engine(handler) as engine, engine_client() as client:
         got = []
         with pytest.raises(UpstreamError) as caught:
-            async with client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in response.chunks():
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                async for data in chunks(response):
                     got.append(data)
     assert got == [b"first "]
     assert caught.value.kind == "broken_stream"
@@ -880,21 +884,20 @@ async def test_the_simulated_engine_streams_reuses_and_learns_of_an_abort() -> N
         url = f"http://{HOST}:{port}/v1/completions"
         async with engine_client() as client:
             body = {"prompt": "one two three", "max_tokens": 5, "stream": True}
-            async with client.post(url, body, "streamed") as response:
+            with await client.post(url, body, "streamed") as response:
                 assert response.status == 200
-                stream = b"".join([data async for data in response.chunks()])
+                stream = b"".join([data async for data in chunks(response)])
                 first = response._conn
             events = [e for e in stream.split(b"\n\n") if e]
             assert len(events) == 6 and events[-1] == b"data: [DONE]"
 
-            async with client.post(url, {"prompt": "x", "max_tokens": 3}, "plain") as response:
+            with await client.post(url, {"prompt": "x", "max_tokens": 3}, "plain") as response:
                 assert response._conn is first  # uvicorn's keep-alive connection, reused
                 assert orjson.loads(await response.read())["usage"]["completion_tokens"] == 3
 
             body = {"prompt": "x", "max_tokens": 1000, "stream": True}
-            async with client.post(url, body, "abandoned") as response:
-                async with aclosing(response.chunks()) as chunks:
-                    await anext(chunks)
+            with await client.post(url, body, "abandoned") as response:
+                await response.next_chunk()
             await until(lambda: sim.counters.aborted == 1)
             assert sim.counters.completed == 2
             assert list(sim.request_ids) == ["streamed", "plain", "abandoned"]
