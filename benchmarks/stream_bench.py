@@ -1,16 +1,22 @@
 """Streaming benchmark: what pd-router costs next to talking to a decode engine directly.
 
 Starts, on 127.0.0.1, one simulated prefill engine, two simulated decode engines (instant:
-``--ttft 0 --itl 0``, ``--standalone`` so they also serve plain requests) and ``python -m
-pd_router`` in front of them, then drives them from this process with asyncio + aiohttp:
+``--ttft 0 --itl 0``, ``--standalone`` so they also serve plain requests), ``python -m
+pd_router`` in front of them and, when it is installed, vllm-router (the Rust router from
+PyPI, in its vLLM P/D mode) next to it, in front of the same engines. Then it drives them
+from this process with asyncio + aiohttp:
 
 * Workload A, throughput: streaming ``/v1/completions`` from many concurrent clients,
-  DIRECT (round-robin over both decode engines) and ROUTED (through the router), in
-  alternating rounds. Reports requests/s, chunks/s, the routed/direct ratio, errors, and
-  CPU milliseconds per request of the router and of each engine (``/proc/<pid>/stat``).
+  DIRECT (round-robin over both decode engines), ROUTED (through pd-router) and VLLM-ROUTER,
+  in alternating order. Reports requests/s, chunks/s, the ratios to direct, errors, and
+  CPU milliseconds per request of each router and engine (``/proc/<pid>/stat``).
 * Workload B, added TTFT: one client, sequential requests, interleaving DIRECT, MANUAL P/D
   (this client calls the prefill engine, then the decode engine with the returned
-  ``kv_transfer_params``: what the router does, minus the router) and ROUTED.
+  ``kv_transfer_params``: what a router does, minus the router), ROUTED and VLLM-ROUTER.
+* Workload D, open streams: a second pd-router, in front of the same prefill engine and two
+  extra slow decode engines (``--itl 0.05``), holds ``--streams`` streams open at once;
+  reports its RSS per open stream, errors and effective tokens/s. Then vllm-router alone in
+  front of the same engines, the same way.
 
 The routed path does more work than the direct one: a real prefill request and a KV pull
 from the prefill engine. ROUTED - DIRECT is what a client sees; ROUTED - MANUAL P/D is
@@ -19,8 +25,8 @@ the router's own share of it.
 Every process shares the machine's cores, so numbers are noisy: compare each number with
 its in-run baseline, not with another run. It prints numbers; it asserts nothing.
 
-    python benchmarks/stream_bench.py [--requests N] [--concurrency 64] [--tokens 64]
-                                      [--quick] [--profile] [--json PATH]
+    python benchmarks/stream_bench.py [--quick] [--streams N] [--profile] [--json PATH]
+                                      [--vllm-router PATH | --install-vllm-router]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -42,11 +49,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -56,8 +63,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from pd_router.handshake import PREFILL_KV_PARAMS  # noqa: E402
-from pd_router.sim.fleet import RouterProcess, ServerProcess, SimFleet  # noqa: E402
+from pd_router.sim.fleet import (  # noqa: E402
+    RouterProcess,
+    ServerProcess,
+    SimFleet,
+    free_port,
+)
 
+T = TypeVar("T")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 OTHER_LOAD_WARNING_PCT = 10.0
 MODEL = "sim-model"
@@ -66,6 +79,28 @@ DONE = b"data: [DONE]"
 # Words after the unique first one, so every prompt is a few KV blocks long.
 FILLER = " ".join(f"w{i}" for i in range(40))
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60)
+HOST = "127.0.0.1"
+
+VLLM_ROUTER_VERSION = "0.1.17"
+VLLM_ROUTER_VENV = Path.home() / ".cache" / "pd-router" / "bench-venv"
+VLLM_ROUTER_HINT = (
+    "vllm-router not found (neither on PATH nor in {venv}): run once with "
+    "--install-vllm-router (a venv outside the project, pip install vllm-router=={version}, "
+    "~30 s) or pass --vllm-router PATH; its columns are skipped"
+)
+# Same conditions as pd-router here: no retries, no circuit breaker (pd-router has neither
+# on this path), and no periodic health checks during the run (pd-router's probes every few
+# seconds cost next to nothing; vllm-router's default is every 60 s anyway).
+VLLM_ROUTER_FAIR_ARGS = (
+    "--disable-retries",
+    "--disable-circuit-breaker",
+    "--health-check-interval-secs",
+    "3600",
+    # Startup only: it polls every engine's /health before it listens; the default is 30 s
+    # between polls, but our engines are healthy before it starts.
+    "--worker-startup-check-interval",
+    "1",
+)
 
 
 # --------------------------------------------------------------------------- processes
@@ -115,6 +150,175 @@ class CpuMeter:
         machine = self.used.pop("machine")
         self.used["other"] = max(0.0, machine - sum(self.used.values()))
         return self.used
+
+
+def proc_status(pid: int, key: str) -> int:
+    """One number from /proc/<pid>/status: ``VmRSS`` (KiB), ``Threads``; 0 if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class VllmRouterProcess(ServerProcess):
+    """vllm-router in vLLM P/D mode in front of the given engines, on 127.0.0.1.
+
+    It renames its process ``vllm::router``: only the Popen PID identifies it. It binds a
+    Prometheus port even when not asked, so it always gets a free one of its own.
+    """
+
+    name = "vllm-router"
+
+    def __init__(self, executable: str, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        super().__init__()
+        self.executable = executable
+        self.prefill_urls = list(prefill)
+        self.decode_urls = list(decode)
+        self.prometheus_port = 0
+        self.threads_at_start = 0
+        self.stop_note = ""
+
+    def start(self) -> VllmRouterProcess:
+        self.prometheus_port = free_port()
+        super().start()
+        return self
+
+    def command(self) -> list[str]:
+        argv = [self.executable, "--vllm-pd-disaggregation"]
+        for url in self.prefill_urls:
+            argv += ["--prefill", url]
+        for url in self.decode_urls:
+            argv += ["--decode", url]
+        return [
+            *argv,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--log-level",
+            "warning",
+            *VLLM_ROUTER_FAIR_ARGS,
+        ]
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        # It listens only once every engine answered GET /health.
+        super().wait_healthy(timeout)
+        if self.pid is not None:
+            self.threads_at_start = proc_status(self.pid, "Threads")
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, up to ``timeout`` s, then SIGKILL; notes how it went and checks the PID."""
+        pid = self.pid
+        if pid is None:
+            return super().stop(timeout)
+        start = time.perf_counter()
+        code = super().stop(timeout)
+        took = time.perf_counter() - start
+        if code == -signal.SIGKILL:
+            self.stop_note = f"pid {pid}: still running {timeout:.0f} s after SIGTERM, SIGKILLed"
+        else:
+            self.stop_note = f"pid {pid}: exit code {code}, {took:.2f} s after SIGTERM"
+        if Path(f"/proc/{pid}").exists():
+            self.stop_note += "; WARNING: the pid still exists after it was reaped"
+        return code
+
+
+def vllm_router_version(executable: str) -> str:
+    """The installed vllm-router's version, from the dist-info next to the executable."""
+    prefix = Path(executable).resolve().parent.parent
+    for dist in prefix.glob("lib/python*/site-packages/vllm_router-*.dist-info"):
+        return dist.name.removesuffix(".dist-info").split("-", 1)[1]
+    return "?"
+
+
+def find_vllm_router() -> str | None:
+    """``vllm-router`` on PATH, else the one --install-vllm-router puts in the cache venv."""
+    for candidate in (shutil.which("vllm-router"), VLLM_ROUTER_VENV / "bin" / "vllm-router"):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def install_vllm_router(timeout: float) -> str | None:
+    """Make VLLM_ROUTER_VENV and pip-install vllm-router there, within ``timeout`` s.
+
+    Outside the project's venv on purpose: it brings its own fastapi, uvicorn and aiohttp.
+    Returns the executable, or None after printing why it failed.
+    """
+    executable = VLLM_ROUTER_VENV / "bin" / "vllm-router"
+    if os.access(executable, os.X_OK):
+        return str(executable)
+    created = not VLLM_ROUTER_VENV.exists()
+    steps = []
+    if not (VLLM_ROUTER_VENV / "bin" / "pip").exists():
+        steps.append([sys.executable, "-m", "venv", str(VLLM_ROUTER_VENV)])
+    steps.append(
+        [
+            str(VLLM_ROUTER_VENV / "bin" / "pip"),
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            f"vllm-router=={VLLM_ROUTER_VERSION}",
+        ]
+    )
+    log(
+        f"installing vllm-router=={VLLM_ROUTER_VERSION} into {VLLM_ROUTER_VENV} "
+        f"(~30 s, at most {timeout:.0f} s)"
+    )
+    deadline = time.monotonic() + timeout
+    failure = ""
+    for step in steps:
+        remaining = deadline - time.monotonic()
+        try:
+            done = subprocess.run(  # nosec B603
+                step,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=max(remaining, 1.0),
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s: {' '.join(step)}"
+            break
+        except OSError as exc:
+            failure = f"{' '.join(step)}: {exc}"
+            break
+        if done.returncode != 0:
+            errors = [
+                line
+                for line in done.stderr.decode(errors="replace").splitlines()
+                if line.strip() and not line.startswith("WARNING: Location")
+            ]
+            tail = "\n    ".join(errors[-8:])
+            failure = f"exit code {done.returncode}: {' '.join(step)}\n    {tail}"
+            break
+    if not failure and not os.access(executable, os.X_OK):
+        failure = f"pip succeeded but {executable} is not there"
+    if failure:
+        log(f"vllm-router install FAILED ({failure}); its columns are skipped")
+        if created:
+            shutil.rmtree(VLLM_ROUTER_VENV, ignore_errors=True)
+        return None
+    log(f"installed {executable}")
+    return str(executable)
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to the hard one; children inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 # --------------------------------------------------------------------------- requests
@@ -323,7 +527,7 @@ def summarize(mode: str, seconds: Sequence[float], errors: Counter[str]) -> Late
 
 
 async def added_ttft(
-    router_url: str,
+    routers: dict[str, str],
     prefill_url: str,
     decode_urls: Sequence[str],
     *,
@@ -331,8 +535,13 @@ async def added_ttft(
     tokens: int,
     warmup: int,
 ) -> dict[str, LatencySummary]:
-    """One client, one request at a time, the three modes interleaved in rotating order."""
-    samples: dict[str, list[float]] = {"direct": [], "manual_pd": [], "routed": []}
+    """One client, one request at a time, every mode interleaved in rotating order.
+
+    ``routers`` maps a mode name to a router's base URL; ``direct`` and ``manual_pd`` are
+    always there.
+    """
+    samples: dict[str, list[float]] = {"direct": [], "manual_pd": []}
+    samples.update({mode: [] for mode in routers})
     errors: dict[str, Counter[str]] = {mode: Counter() for mode in samples}
     prefill_times: list[float] = []
     modes = list(samples)
@@ -347,14 +556,14 @@ async def added_ttft(
                     result = await stream_completion(
                         session, decode_url + PATH, body, want_ttft=True
                     )
-                elif mode == "routed":
-                    result = await stream_completion(
-                        session, router_url + PATH, body, want_ttft=True
-                    )
-                else:
+                elif mode == "manual_pd":
                     result, prefill_time = await manual_pd(session, prefill_url, decode_url, body)
                     if measured and result.ok:
                         prefill_times.append(prefill_time)
+                else:
+                    result = await stream_completion(
+                        session, routers[mode] + PATH, body, want_ttft=True
+                    )
                 if not measured:
                     continue
                 if result.ok and result.ttft is not None:
@@ -364,6 +573,217 @@ async def added_ttft(
     summary = {mode: summarize(mode, samples[mode], errors[mode]) for mode in modes}
     summary["prefill_hop"] = summarize("prefill_hop", prefill_times, Counter())
     return summary
+
+
+# --------------------------------------------------------------------------- workload D
+
+
+STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)
+
+
+@dataclass
+class StreamsRun:
+    """Workload D through one router: N streams open at once, and its memory meanwhile."""
+
+    router: str
+    streams: int
+    ok: int
+    errors: dict[str, int]
+    # Streams that had their first text event and no end yet when ``rss_open_kib`` was read.
+    held_at_peak: int
+    all_open: bool
+    ramp_seconds: float  # first stream sent -> every stream had its first text event
+    release_seconds: float  # engines back to --itl -> every stream ended
+    seconds: float  # first stream sent -> every stream ended
+    capped: bool
+    tokens: int
+    release_tokens_per_s: float  # tokens received per second after the release
+    asked_tokens_per_s: float  # streams / itl: what the engines were asked for
+    rss_before_kib: int
+    rss_open_kib: int
+    rss_max_kib: int
+    rss_after_kib: int
+    kib_per_stream: float
+    threads_before: int
+    threads_open: int
+    router_cpu_ms: float
+    router_cpu_ms_per_stream: float
+    warmup_errors: dict[str, int]
+
+
+class _OpenStreams:
+    """Counters the streams of workload D update as they go."""
+
+    def __init__(self) -> None:
+        self.opened = 0  # first text event seen
+        self.closed = 0  # ended, after its first text event
+        self.failed_early = 0  # ended before any text event
+        self.tokens = 0
+
+
+async def held_stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], state: _OpenStreams
+) -> str:
+    """One stream of workload D: "ok", or what went wrong (as in ``stream_completion``)."""
+    expected = body["max_tokens"]
+    chunks = 0
+    done = False
+    opened = False
+    outcome = "ok"
+    try:
+        async with session.post(url, json=body, timeout=STREAM_TIMEOUT) as response:
+            if response.status != 200:
+                await response.read()
+                outcome = f"http_{response.status}"
+            else:
+                async for line in response.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line.startswith(DONE):
+                        done = True
+                        continue
+                    chunks += 1
+                    state.tokens += 1
+                    if not opened and _has_text(line):
+                        opened = True
+                        state.opened += 1
+        if outcome == "ok" and not done:
+            outcome = "no_done"
+        elif outcome == "ok" and chunks != expected:
+            outcome = "wrong_chunk_count"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        outcome = type(exc).__name__
+    finally:
+        if opened:
+            state.closed += 1
+        else:
+            state.failed_early += 1
+    return outcome
+
+
+async def hold_streams(
+    name: str,
+    url: str,
+    pid: int,
+    set_itl: Callable[[float], None],
+    *,
+    streams: int,
+    tokens: int,
+    itl: float,
+    hold_itl: float,
+    batch: int,
+    cap: float,
+    warmup: int,
+) -> StreamsRun:
+    """Open ``streams`` streams through one router, ``batch`` at a time, and read its RSS.
+
+    ``warmup`` short requests first, through a session closed since; then the router's RSS
+    ("before"). While the streams open, the decode engines run at ``hold_itl`` between
+    tokens (``set_itl``: POST /sim/config), so that the first streams are still open when
+    the last ones start. A batch starts once every stream of the one before had its first
+    text event, so the router's listen backlog never holds more than ``batch`` connections.
+    When every stream has had one, RSS again ("open"); then the engines go back to ``itl``
+    (the release) and every stream runs to its end. Nothing outlives ``cap`` seconds.
+    """
+    url = url + PATH
+    warm: Counter[str] = Counter()
+    async with new_session() as session:
+        bodies = [completion_body(f"d-warm-{name}-{i} {FILLER}", 4) for i in range(warmup)]
+        for first in range(0, warmup, 16):
+            results = await asyncio.gather(
+                *(stream_completion(session, url, body) for body in bodies[first : first + 16])
+            )
+            warm.update("ok" if result.ok else result.error for result in results)
+    warm.pop("ok", None)
+    await asyncio.sleep(0.5)
+    rss_before = proc_status(pid, "VmRSS")
+    threads_before = proc_status(pid, "Threads")
+    cpu_before = cpu_ms(pid)
+    state = _OpenStreams()
+    peak = [rss_before]
+
+    async def sample_rss() -> None:
+        while True:
+            peak[0] = max(peak[0], proc_status(pid, "VmRSS"))
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample_rss())
+    tasks: list[asyncio.Task[str]] = []
+    capped = False
+    try:
+        await asyncio.to_thread(set_itl, hold_itl)
+        async with new_session() as session:
+            start = time.perf_counter()
+            deadline = start + cap
+            for first in range(0, streams, batch):
+                for i in range(first, min(first + batch, streams)):
+                    body = completion_body(f"d-{name}-{i} {FILLER}", tokens)
+                    tasks.append(asyncio.create_task(held_stream(session, url, body, state)))
+                while state.opened + state.failed_early < len(tasks):
+                    if time.perf_counter() > deadline:
+                        capped = True
+                        break
+                    await asyncio.sleep(0.01)
+                if capped:
+                    break
+            ramp = time.perf_counter() - start
+            rss_open = proc_status(pid, "VmRSS")
+            threads_open = proc_status(pid, "Threads")
+            held = state.opened - state.closed
+            all_open = state.opened == streams
+            await asyncio.to_thread(set_itl, itl)
+            released = time.perf_counter()
+            tokens_at_release = state.tokens
+            remaining = max(deadline - released, 0.1)
+            _, pending = await asyncio.wait(tasks, timeout=remaining)
+            for task in pending:
+                task.cancel()
+            if pending:
+                capped = True
+                await asyncio.wait(pending)
+            outcomes: Counter[str] = Counter()
+            for task in tasks:
+                outcomes["cancelled_at_cap" if task.cancelled() else task.result()] += 1
+            outcomes["not_sent_cap"] = streams - len(tasks)
+            end = time.perf_counter()
+    finally:
+        for task in tasks:
+            task.cancel()  # only those still running: on an error or SIGTERM
+        with contextlib.suppress(OSError, RuntimeError):
+            await asyncio.to_thread(set_itl, itl)
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    router_cpu = cpu_ms(pid) - cpu_before
+    await asyncio.sleep(0.5)
+    rss_after = proc_status(pid, "VmRSS")
+    ok = outcomes.pop("ok", 0)
+    errors = {kind: count for kind, count in outcomes.items() if count}
+    return StreamsRun(
+        router=name,
+        streams=streams,
+        ok=ok,
+        errors=errors,
+        held_at_peak=held,
+        all_open=all_open,
+        ramp_seconds=ramp,
+        release_seconds=end - released,
+        seconds=end - start,
+        capped=capped,
+        tokens=state.tokens,
+        release_tokens_per_s=(state.tokens - tokens_at_release) / max(end - released, 1e-9),
+        asked_tokens_per_s=streams / itl if itl else float("nan"),
+        rss_before_kib=rss_before,
+        rss_open_kib=rss_open,
+        rss_max_kib=max(peak[0], rss_open),
+        rss_after_kib=rss_after,
+        kib_per_stream=(rss_open - rss_before) / max(held, 1),
+        threads_before=threads_before,
+        threads_open=threads_open,
+        router_cpu_ms=router_cpu,
+        router_cpu_ms_per_stream=router_cpu / streams,
+        warmup_errors=dict(warm),
+    )
 
 
 # --------------------------------------------------------------------------- profiling
@@ -452,6 +872,21 @@ class Config:
     engine_slots: int
     profile: bool
     profile_seconds: int
+    streams: int
+    stream_tokens: int
+    stream_itl: float
+    stream_hold_itl: float
+    stream_batch: int
+    stream_warmup: int
+    phase_cap: float
+    vllm_router: str
+    vllm_router_version: str
+
+
+# Workload A/B mode -> column label; CPU process name -> row label.
+MODE_LABELS = {"direct": "direct", "routed": "pd-router", "vllm_router": "vllm-router"}
+PROCESS_LABELS = {"router": "pd-router"}
+SERVER_PROCESSES = ("router", "vllm-router", "prefill", "decode0", "decode1")
 
 
 def machine_info() -> dict[str, Any]:
@@ -483,12 +918,23 @@ def log(message: str) -> None:
 
 
 class Bench:
-    def __init__(self, config: Config, fleet: SimFleet, router: RouterProcess) -> None:
+    def __init__(
+        self,
+        config: Config,
+        fleet: SimFleet,
+        router: RouterProcess,
+        vllm: VllmRouterProcess | None = None,
+    ) -> None:
         self.config = config
         self.fleet = fleet
         self.router = router
+        self.vllm = vllm
         self.decode_urls = [engine.url for engine in fleet.decode]
         self.prefill_url = fleet.prefill[0].url
+        self.modes = ["direct", "routed"] + (["vllm_router"] if vllm is not None else [])
+        self.mode_urls = {"direct": self.decode_urls, "routed": [router.url]}
+        if vllm is not None:
+            self.mode_urls["vllm_router"] = [vllm.url]
         self.pids: dict[str, int] = {}
         for name, process in self._named_processes():
             if process.pid is None:
@@ -501,9 +947,14 @@ class Bench:
         self._tags = itertools.count()
         self.loadavg: dict[str, tuple[float, float, float]] = {}
         self.ttft_other_busy_pct = 0.0
+        self.vllm_threads_max = vllm.threads_at_start if vllm is not None else 0
+        self.streams: list[StreamsRun] = []
+        self.notes: list[str] = []  # skipped parts, how vllm-router stopped, ...
 
     def _named_processes(self) -> Iterator[tuple[str, ServerProcess]]:
         yield "router", self.router
+        if self.vllm is not None:
+            yield "vllm-router", self.vllm
         yield "prefill", self.fleet.prefill[0]
         for index, engine in enumerate(self.fleet.decode):
             yield f"decode{index}", engine
@@ -512,7 +963,7 @@ class Bench:
         self, mode: str, round_: int, requests: int, time_cap: float | None = None
     ) -> ThroughputRun:
         config = self.config
-        urls = self.decode_urls if mode == "direct" else [self.router.url]
+        urls = self.mode_urls.get(mode, [self.router.url])
         meter = CpuMeter(self.pids)
         meter.start()
         sent, chunks, outcomes, seconds, capped = await throughput(
@@ -524,6 +975,9 @@ class Bench:
             tag=f"{mode}{next(self._tags)}",
         )
         used = meter.stop()
+        if "vllm-router" in self.pids:
+            threads = proc_status(self.pids["vllm-router"], "Threads")
+            self.vllm_threads_max = max(self.vllm_threads_max, threads)
         ok = outcomes.pop("ok", 0)
         capacity = seconds * 1000.0 * (os.cpu_count() or 1) / 100.0
         return ThroughputRun(
@@ -552,33 +1006,37 @@ class Bench:
 
     async def _run(self) -> None:
         config = self.config
+        labels = ", ".join(MODE_LABELS[mode] for mode in self.modes)
         if config.warmup:
-            log(f"warm-up: {config.warmup} requests direct, {config.warmup} routed")
-            for mode in ("direct", "routed"):
+            log(f"warm-up: {config.warmup} requests per mode ({labels})")
+            for mode in self.modes:
                 run = await self._throughput(mode, 0, config.warmup)
                 if run.errors:
                     raise RuntimeError(f"warm-up {mode} failed: {run.errors}")
         for round_ in range(1, config.rounds + 1):
-            order = ("direct", "routed") if round_ % 2 else ("routed", "direct")
+            # Odd rounds in one order, even rounds in the reverse one.
+            order = self.modes if round_ % 2 else self.modes[::-1]
             for mode in order:
                 run = await self._throughput(mode, round_, config.requests)
                 self.runs.append(run)
                 log(
-                    f"  A round {round_} {mode:<7} {run.ok:>6} ok  {run.requests_per_s:8.1f} req/s"
-                    f"  {run.chunks_per_s:10.0f} chunks/s  {run.seconds:6.2f} s"
-                    f"  errors={run.errors or 0}{'  (time cap hit)' if run.capped else ''}"
+                    f"  A round {round_} {MODE_LABELS[mode]:<11} {run.ok:>6} ok"
+                    f"  {run.requests_per_s:8.1f} req/s  {run.chunks_per_s:10.0f} chunks/s"
+                    f"  {run.seconds:6.2f} s  errors={run.errors or 0}"
+                    f"{'  (time cap hit)' if run.capped else ''}"
                 )
         if config.profile:
             await self._profiled_run()
         log(
-            f"B: {config.ttft_requests} sequential requests per mode, "
+            f"B: {config.ttft_requests} sequential requests per mode ({labels}, manual P/D), "
             f"max_tokens={config.ttft_tokens}"
         )
         meter = CpuMeter(self.pids)
         meter.start()
         start = time.perf_counter()
+        routers = {mode: urls[0] for mode, urls in self.mode_urls.items() if mode != "direct"}
         self.latency = await added_ttft(
-            self.router.url,
+            routers,
             self.prefill_url,
             self.decode_urls,
             requests=config.ttft_requests,
@@ -587,6 +1045,75 @@ class Bench:
         )
         capacity = (time.perf_counter() - start) * 1000.0 * (os.cpu_count() or 1) / 100.0
         self.ttft_other_busy_pct = meter.stop()["other"] / capacity
+
+    def run_streams(self, runner: asyncio.Runner) -> None:
+        """Workload D: its own slow decode engines and routers, started and stopped here."""
+        config = self.config
+        n = config.streams
+        slow_args = [
+            "--slots",
+            str(n),
+            "--ttft",
+            "0",
+            "--itl",
+            str(config.stream_itl),
+            "--default-max-tokens",
+            str(config.stream_tokens),
+        ]
+        log(
+            f"D: {n} open streams; starting 2 slow decode sim engines "
+            f"(--itl {config.stream_itl} --slots {n})"
+        )
+        with SimFleet(prefill=0, decode=2, decode_args=slow_args) as slow:
+            decode = [engine.url for engine in slow.decode]
+
+            def set_itl(seconds: float) -> None:
+                for engine in slow.decode:
+                    engine.configure(itl=seconds)
+
+            routers: list[tuple[str, ServerProcess]] = [
+                ("pd-router", RouterProcess([self.prefill_url], decode, "--decode-slots", str(n)))
+            ]
+            if self.vllm is not None:
+                vllm = VllmRouterProcess(self.vllm.executable, [self.prefill_url], decode)
+                routers.append(("vllm-router", vllm))
+            for name, process in routers:
+                try:
+                    process.__enter__()
+                except RuntimeError as exc:
+                    self.notes.append(f"D: {name} did not start: {exc}")
+                    log(self.notes[-1])
+                    continue
+                try:
+                    assert process.pid is not None  # nosec B101
+                    run = run_coroutine(
+                        runner,
+                        hold_streams(
+                            name,
+                            process.url,
+                            process.pid,
+                            set_itl,
+                            streams=n,
+                            tokens=config.stream_tokens,
+                            itl=config.stream_itl,
+                            hold_itl=config.stream_hold_itl,
+                            batch=config.stream_batch,
+                            cap=config.phase_cap,
+                            warmup=config.stream_warmup,
+                        ),
+                    )
+                finally:
+                    process.stop()
+                if isinstance(process, VllmRouterProcess):
+                    self.notes.append(f"D vllm-router stopped: {process.stop_note}")
+                self.streams.append(run)
+                log(
+                    f"  D {name:<11} {run.ok:>5} ok  errors={run.errors or 0}  held at once "
+                    f"{run.held_at_peak}  all open after {run.ramp_seconds:.1f} s, all done "
+                    f"{run.release_seconds:.1f} s after release  RSS "
+                    f"{run.rss_before_kib / 1024:.1f} -> {run.rss_open_kib / 1024:.1f} MiB "
+                    f"({run.kib_per_stream:.1f} KiB/stream)"
+                )
 
     async def _profiled_run(self) -> None:
         """An extra routed pass with py-spy attached; not used for the ratios."""
@@ -623,9 +1150,19 @@ class Bench:
     # ----------------------------------------------------------------------- report
 
     def results(self) -> dict[str, Any]:
+        vllm = None
+        if self.vllm is not None:
+            vllm = {
+                "executable": self.vllm.executable,
+                "version": self.config.vllm_router_version,
+                "command": self.vllm.command(),
+                "threads_at_start": self.vllm.threads_at_start,
+                "threads_max": self.vllm_threads_max,
+            }
         return {
             "config": asdict(self.config),
             "machine": machine_info(),
+            "vllm_router": vllm,
             "throughput": {
                 "runs": [asdict(run) for run in self.runs],
                 "summary": self.throughput_summary(),
@@ -633,13 +1170,16 @@ class Bench:
             },
             "ttft": {mode: asdict(summary) for mode, summary in self.latency.items()},
             "ttft_other_busy_pct": self.ttft_other_busy_pct,
+            "streams": [asdict(run) for run in self.streams],
+            "comparison": self.comparison(),
             "profile": asdict(self.profile) if self.profile else None,
             "loadavg": self.loadavg,
+            "notes": self.notes,
         }
 
     def throughput_summary(self) -> dict[str, Any]:
         summary: dict[str, Any] = {}
-        for mode in ("direct", "routed"):
+        for mode in self.modes:
             runs = [run for run in self.runs if run.mode == mode]
             seconds = sum(run.seconds for run in runs)
             ok = sum(run.ok for run in runs)
@@ -659,27 +1199,59 @@ class Bench:
                 "chunks_per_s": sum(run.chunks for run in runs) / seconds if seconds else 0.0,
                 "cpu_ms_per_request": {k: v / max(sent, 1) for k, v in sorted(cpu.items())},
             }
-        direct, routed = summary["direct"], summary["routed"]
-        summary["ratio_routed_over_direct"] = {
-            key: (routed[key] / direct[key] if direct[key] else float("nan"))
-            for key in ("requests_per_s", "chunks_per_s")
-        }
+        direct = summary["direct"]
         by_round: dict[int, dict[str, float]] = {}
         for run in self.runs:
             by_round.setdefault(run.round, {})[run.mode] = run.requests_per_s
-        summary["ratio_per_round"] = [
-            rates["routed"] / rates["direct"]
-            for _, rates in sorted(by_round.items())
-            if rates.get("direct") and "routed" in rates
-        ]
+        for mode in self.modes[1:]:
+            # "routed" keeps the key names it had before vllm-router joined.
+            suffix = "" if mode == "routed" else f"_{mode}"
+            summary[f"ratio_{mode}_over_direct"] = {
+                key: (summary[mode][key] / direct[key] if direct[key] else float("nan"))
+                for key in ("requests_per_s", "chunks_per_s")
+            }
+            summary[f"ratio_per_round{suffix}"] = [
+                rates[mode] / rates["direct"]
+                for _, rates in sorted(by_round.items())
+                if rates.get("direct") and mode in rates
+            ]
         return summary
+
+    def comparison(self) -> dict[str, Any] | None:
+        """pd-router next to vllm-router, each against its in-run baseline."""
+        if self.vllm is None or not self.runs:
+            return None
+        t = self.throughput_summary()
+        pd_cpu = t["routed"]["cpu_ms_per_request"].get("router", float("nan"))
+        vllm_cpu = t["vllm_router"]["cpu_ms_per_request"].get("vllm-router", float("nan"))
+        result: dict[str, Any] = {
+            "cpu_ms_per_request": {"pd_router": pd_cpu, "vllm_router": vllm_cpu},
+            "cpu_ratio_pd_over_vllm": pd_cpu / vllm_cpu if vllm_cpu else float("nan"),
+            "requests_per_s_ratio_vs_direct": {
+                "pd_router": t["ratio_routed_over_direct"]["requests_per_s"],
+                "vllm_router": t["ratio_vllm_router_over_direct"]["requests_per_s"],
+            },
+        }
+        if self.latency:
+            manual = self.latency["manual_pd"]
+            result["added_ttft_over_manual_pd_ms"] = {
+                name: {
+                    q: getattr(self.latency[mode], f"{q}_ms") - getattr(manual, f"{q}_ms")
+                    for q in ("p50", "p90", "p99")
+                }
+                for name, mode in (("pd_router", "routed"), ("vllm_router", "vllm_router"))
+            }
+        streams = {run.router: run for run in self.streams}
+        if "pd-router" in streams and "vllm-router" in streams:
+            result["open_streams_kib_per_stream"] = {
+                "pd_router": streams["pd-router"].kib_per_stream,
+                "vllm_router": streams["vllm-router"].kib_per_stream,
+            }
+        return result
 
     def print_report(self) -> None:
         config = self.config
         info = machine_info()
-        t = self.throughput_summary()
-        direct, routed = t["direct"], t["routed"]
-        ratio = t["ratio_routed_over_direct"]
         log("")
         log("=" * 88)
         log(
@@ -695,47 +1267,98 @@ class Bench:
         log("versions: " + "  ".join(f"{k} {v}" for k, v in info["versions"].items()))
         log(
             f"fleet: 1 prefill + 2 decode sim engines (--standalone --slots {config.engine_slots}"
-            f" --ttft 0 --itl 0), router --decode-slots {config.decode_slots}"
+            f" --ttft 0 --itl 0), pd-router --decode-slots {config.decode_slots}"
         )
-        log("")
+        if self.vllm is not None:
+            log(
+                f"       vllm-router {config.vllm_router_version} next to it, same engines "
+                f"({self.vllm.executable}):"
+            )
+            log(f"         --policy round_robin {' '.join(VLLM_ROUTER_FAIR_ARGS[:2])}")
+            log(f"         {' '.join(VLLM_ROUTER_FAIR_ARGS[2:])}")
+            log(
+                f"         default tokio runtime: {self.vllm.threads_at_start} threads at "
+                f"start, at most {self.vllm_threads_max} seen under load"
+            )
+        else:
+            log("       vllm-router: not run (see above)")
+        if self.runs:
+            log("")
+            self._print_throughput()
+        if self.latency:
+            log("")
+            self._print_latency()
+        if self.profile is not None:
+            log("")
+            self._print_profile()
+        if self.streams:
+            log("")
+            self._print_streams()
+        comparison = self.comparison()
+        if comparison is not None:
+            log("")
+            self._print_comparison(comparison)
+        if self.notes:
+            log("")
+            for note in self.notes:
+                log(f"note: {note}")
+        log("=" * 88)
+
+    def _print_throughput(self) -> None:
+        config = self.config
+        t = self.throughput_summary()
+        modes = self.modes
         log(
             f"A. throughput: streaming {PATH}, max_tokens={config.tokens}, ignore_eos, "
             f"{config.concurrency} clients, {config.requests} requests x {config.rounds} "
             f"round(s) per mode"
         )
-        log(f"   {'':<22}{'direct':>14}{'routed':>14}{'routed/direct':>16}")
+        log(f"   {'':<24}" + "".join(f"{MODE_LABELS[mode]:>13}" for mode in modes))
+        for key, label, fmt in (
+            ("requests_per_s", "requests/s", ".1f"),
+            ("chunks_per_s", "chunks/s", ".0f"),
+        ):
+            log(f"   {label:<24}" + "".join(f"{t[mode][key]:>13{fmt}}" for mode in modes))
         log(
-            f"   {'requests/s':<22}{direct['requests_per_s']:>14.1f}"
-            f"{routed['requests_per_s']:>14.1f}{ratio['requests_per_s']:>16.3f}"
+            f"   {'requests/s vs direct':<24}{1.0:>13.3f}"
+            + "".join(f"{t[f'ratio_{m}_over_direct']['requests_per_s']:>13.3f}" for m in modes[1:])
         )
-        log(
-            f"   {'chunks/s':<22}{direct['chunks_per_s']:>14.0f}"
-            f"{routed['chunks_per_s']:>14.0f}{ratio['chunks_per_s']:>16.3f}"
-        )
-        log(f"   {'errors':<22}{direct['errors']:>14}{routed['errors']:>14}")
-        if len(t["ratio_per_round"]) > 1:
+        log(f"   {'errors':<24}" + "".join(f"{t[mode]['errors']:>13}" for mode in modes))
+        for mode in modes[1:]:
+            per_round = t["ratio_per_round" + ("" if mode == "routed" else f"_{mode}")]
+            if len(per_round) > 1:
+                log(
+                    f"   {MODE_LABELS[mode]} / direct requests/s per round: "
+                    + "  ".join(f"{r:.3f}" for r in per_round)
+                )
+        kinds = {MODE_LABELS[m]: t[m]["error_kinds"] for m in modes if t[m]["errors"]}
+        if kinds:
+            log(f"   error kinds: {kinds}")
+        log("   CPU ms per request (utime+stime of each process, from /proc/<pid>/stat):")
+        names: set[str] = set()
+        for mode in modes:
+            names.update(t[mode]["cpu_ms_per_request"])
+        names.discard("other")
+        order = [*SERVER_PROCESSES, "loadgen"]
+        for name in sorted(names, key=lambda n: order.index(n) if n in order else len(order)):
+            label = PROCESS_LABELS.get(name, name)
             log(
-                "   routed/direct requests/s per round: "
-                + "  ".join(f"{r:.3f}" for r in t["ratio_per_round"])
+                f"     {label:<22}"
+                + "".join(
+                    f"{t[mode]['cpu_ms_per_request'].get(name, 0.0):>13.3f}" for mode in modes
+                )
             )
-        if direct["errors"] or routed["errors"]:
-            log(f"   error kinds: direct={direct['error_kinds']} routed={routed['error_kinds']}")
-        log("   CPU ms per request (utime+stime from /proc/<pid>/stat):")
-        names = sorted(set(direct["cpu_ms_per_request"]) | set(routed["cpu_ms_per_request"]))
-        names.remove("other")
-        names.sort(key=lambda n: (n != "router", n == "loadgen", n))
-        for name in names:
-            d = direct["cpu_ms_per_request"].get(name, 0.0)
-            r = routed["cpu_ms_per_request"].get(name, 0.0)
-            log(f"     {name:<20}{d:>14.3f}{r:>14.3f}")
-        servers = ("router", "prefill", "decode0", "decode1")
-        total_d = sum(direct["cpu_ms_per_request"].get(k, 0.0) for k in servers)
-        total_r = sum(routed["cpu_ms_per_request"].get(k, 0.0) for k in servers)
-        log(f"     {'all servers':<20}{total_d:>14.3f}{total_r:>14.3f}")
-        for mode in ("direct", "routed"):
+        log(
+            f"     {'all servers':<22}"
+            + "".join(
+                f"{sum(t[mode]['cpu_ms_per_request'].get(k, 0.0) for k in SERVER_PROCESSES):>13.3f}"
+                for mode in modes
+            )
+        )
+        for mode in modes:
             runs = [run for run in self.runs if run.mode == mode]
             log(
-                f"   machine CPU busy during {mode} passes: "
+                f"   machine CPU busy during {MODE_LABELS[mode]} passes: "
                 + ", ".join(
                     f"{run.machine_busy_pct:.0f}% (other processes {run.other_busy_pct:.0f}%)"
                     for run in runs
@@ -748,7 +1371,9 @@ class Bench:
                 f"{OTHER_LOAD_WARNING_PCT:.0f}% of the machine in {len(noisy)} pass(es): "
                 "requests/s are unreliable, CPU ms per request less so"
             )
-        log("")
+
+    def _print_latency(self) -> None:
+        config = self.config
         log(
             f"B. TTFT: 1 client, keep-alive, max_tokens={config.ttft_tokens}, "
             f"{config.ttft_requests} sequential requests per mode, modes interleaved"
@@ -763,32 +1388,117 @@ class Bench:
             "direct": "direct (decode engine)",
             "manual_pd": "manual P/D (no router)",
             "routed": "routed (pd-router)",
+            "vllm_router": "routed (vllm-router)",
             "prefill_hop": "  prefill hop alone",
         }
         for mode, label in labels.items():
+            if mode not in self.latency:
+                continue
             s = self.latency[mode]
             log(
                 f"   {label:<26}{s.p50_ms:>10.2f}{s.p90_ms:>10.2f}{s.p99_ms:>10.2f}"
                 f"{s.mean_ms:>10.2f}{sum(s.errors.values()):>8}"
             )
-        d, m, r = self.latency["direct"], self.latency["manual_pd"], self.latency["routed"]
-        log(
-            f"   added TTFT, routed - direct:     p50 {r.p50_ms - d.p50_ms:+.2f} ms"
-            f"   p99 {r.p99_ms - d.p99_ms:+.2f} ms"
-        )
-        log(
-            f"   router's own, routed - manual:   p50 {r.p50_ms - m.p50_ms:+.2f} ms"
-            f"   p99 {r.p99_ms - m.p99_ms:+.2f} ms"
-        )
+        d, m = self.latency["direct"], self.latency["manual_pd"]
+        rows = [("added TTFT, pd-router - direct:", self.latency["routed"], d)]
+        rows.append(("pd-router's own, - manual P/D:", self.latency["routed"], m))
+        if "vllm_router" in self.latency:
+            rows.append(("added TTFT, vllm-router - direct:", self.latency["vllm_router"], d))
+            rows.append(("vllm-router's own, - manual P/D:", self.latency["vllm_router"], m))
+        for label, r, base in rows:
+            log(
+                f"   {label:<36}p50 {r.p50_ms - base.p50_ms:+6.2f} ms   p90 "
+                f"{r.p90_ms - base.p90_ms:+6.2f} ms   p99 {r.p99_ms - base.p99_ms:+6.2f} ms"
+            )
         log(
             "   (routed and manual P/D include a real prefill request and a KV pull from the "
             "prefill engine;\n    direct has neither, so routed - direct is not all router "
             "overhead)"
         )
-        if self.profile is not None:
-            log("")
-            self._print_profile()
-        log("=" * 88)
+
+    def _print_streams(self) -> None:
+        config = self.config
+        runs = self.streams
+        log(
+            f"D. open streams: {config.streams} concurrent streaming {PATH}, "
+            f"max_tokens={config.stream_tokens}, ignore_eos, through a"
+        )
+        log(
+            f"   second pd-router (--decode-slots {config.streams}) in front of the same prefill "
+            f"engine and 2 extra decode"
+        )
+        log(
+            f"   sim engines (--itl {config.stream_itl} --slots {config.streams})"
+            + ("; then through vllm-router alone, same engines." if len(runs) > 1 else ".")
+        )
+        log(
+            f"   Opened {config.stream_batch} at a time with the engines at --itl "
+            f"{config.stream_hold_itl} (so the first streams are"
+        )
+        log(
+            f"   still open when the last start); RSS read; then back to --itl "
+            f"{config.stream_itl} (the release)."
+        )
+        log(f"   {'':<34}" + "".join(f"{run.router:>14}" for run in runs))
+
+        def row(label: str, values: Iterator[str]) -> None:
+            log(f"   {label:<34}" + "".join(f"{value:>14}" for value in values))
+
+        row("streams ok", (f"{run.ok}/{run.streams}" for run in runs))
+        row("errors", (str(sum(run.errors.values())) for run in runs))
+        row("held open at once", (str(run.held_at_peak) for run in runs))
+        row("seconds until all open", (f"{run.ramp_seconds:.1f}" for run in runs))
+        row("seconds release -> all done", (f"{run.release_seconds:.1f}" for run in runs))
+        row("tokens/s received after release", (f"{r.release_tokens_per_s:.0f}" for r in runs))
+        row("  asked for (streams / itl)", (f"{run.asked_tokens_per_s:.0f}" for run in runs))
+        row("router RSS before, MiB", (f"{run.rss_before_kib / 1024:.1f}" for run in runs))
+        row("router RSS all open, MiB", (f"{run.rss_open_kib / 1024:.1f}" for run in runs))
+        row("router RSS max seen, MiB", (f"{run.rss_max_kib / 1024:.1f}" for run in runs))
+        row("router RSS after, MiB", (f"{run.rss_after_kib / 1024:.1f}" for run in runs))
+        row("KiB per open stream (<= 32)", (f"{run.kib_per_stream:.1f}" for run in runs))
+        row("router CPU ms per stream", (f"{run.router_cpu_ms_per_stream:.2f}" for run in runs))
+        row("router threads before / open", (f"{r.threads_before}/{r.threads_open}" for r in runs))
+        for run in runs:
+            if run.errors:
+                log(f"   {run.router} errors: {run.errors}")
+            if run.warmup_errors:
+                log(f"   {run.router} warm-up errors: {run.warmup_errors}")
+            if not run.all_open or run.held_at_peak < run.streams:
+                log(
+                    f"   WARNING {run.router}: only {run.held_at_peak} of {run.streams} streams "
+                    "were open at once when RSS was read"
+                    + (f" (phase cap {config.phase_cap:.0f} s hit)" if run.capped else "")
+                )
+        log(
+            "   (KiB per open stream = (RSS all open - RSS before) / streams held; tokens/s "
+            "below the asked\n    rate means the sim engines, router and load generator ran "
+            "out of CPU: streams got slower)"
+        )
+
+    def _print_comparison(self, c: dict[str, Any]) -> None:
+        cpu = c["cpu_ms_per_request"]
+        ratio = c["requests_per_s_ratio_vs_direct"]
+        log("pd-router vs vllm-router (same engines, same run):")
+        log(
+            f"   A. CPU ms/request {cpu['pd_router']:.3f} vs {cpu['vllm_router']:.3f} "
+            f"({c['cpu_ratio_pd_over_vllm']:.2f}x);  requests/s vs direct "
+            f"{ratio['pd_router']:.3f} vs {ratio['vllm_router']:.3f}"
+        )
+        ttft = c.get("added_ttft_over_manual_pd_ms")
+        if ttft:
+            log(
+                "   B. added TTFT over manual P/D: "
+                + ";  ".join(
+                    f"{q} {ttft['pd_router'][q]:+.2f} vs {ttft['vllm_router'][q]:+.2f} ms"
+                    for q in ("p50", "p90", "p99")
+                )
+            )
+        kib = c.get("open_streams_kib_per_stream")
+        if kib:
+            log(
+                f"   D. router KiB per open stream {kib['pd_router']:.1f} vs "
+                f"{kib['vllm_router']:.1f}"
+            )
 
     def _print_profile(self) -> None:
         profile = self.profile
@@ -839,16 +1549,73 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttft-tokens", type=int, default=16, help="workload B max_tokens")
     parser.add_argument("--decode-slots", type=int, default=64, help="router --decode-slots")
     parser.add_argument("--engine-slots", type=int, default=256, help="sim decode --slots")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        help="workload D streams held open at once (default 4096, --quick 512; 0 skips D)",
+    )
+    parser.add_argument("--stream-tokens", type=int, default=40, help="workload D max_tokens")
+    parser.add_argument(
+        "--stream-itl", type=float, default=0.05, help="workload D decode engines' --itl"
+    )
+    parser.add_argument(
+        "--stream-hold-itl",
+        type=float,
+        default=2.0,
+        help="workload D --itl while the streams open (so the first ones are still open when "
+        "the last ones start)",
+    )
+    parser.add_argument(
+        "--stream-batch", type=int, default=256, help="workload D streams opened at a time"
+    )
+    parser.add_argument(
+        "--phase-cap", type=float, default=180.0, help="seconds per router in workload D"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer requests, one round")
     parser.add_argument("--profile", action="store_true", help="py-spy the router (extra pass)")
     parser.add_argument("--profile-seconds", type=int, default=10)
+    vllm = parser.add_mutually_exclusive_group()
+    vllm.add_argument(
+        "--vllm-router",
+        metavar="PATH",
+        help="vllm-router executable to compare with (default: vllm-router on PATH, else "
+        f"{VLLM_ROUTER_VENV}/bin/vllm-router)",
+    )
+    vllm.add_argument("--no-vllm-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument(
+        "--install-vllm-router",
+        action="store_true",
+        help=f"if vllm-router is not found, pip-install vllm-router=={VLLM_ROUTER_VERSION} into "
+        f"a venv at {VLLM_ROUTER_VENV} first",
+    )
+    parser.add_argument(
+        "--install-timeout", type=float, default=300.0, help="seconds for that install"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     return parser.parse_args(argv)
 
 
-def make_config(args: argparse.Namespace) -> Config:
+def resolve_vllm_router(args: argparse.Namespace) -> str | None:
+    """The vllm-router executable to run, or None (after saying why) to leave it out."""
+    if args.no_vllm_router:
+        log("vllm-router: left out (--no-vllm-router)")
+        return None
+    if args.vllm_router:
+        if not os.access(args.vllm_router, os.X_OK) or Path(args.vllm_router).is_dir():
+            raise SystemExit(f"--vllm-router {args.vllm_router}: not an executable file")
+        return str(args.vllm_router)
+    found = find_vllm_router()
+    if found is None and args.install_vllm_router:
+        return install_vllm_router(args.install_timeout)  # it says why if it fails
+    if found is None:
+        log(VLLM_ROUTER_HINT.format(venv=VLLM_ROUTER_VENV, version=VLLM_ROUTER_VERSION))
+    return found
+
+
+def make_config(args: argparse.Namespace, vllm_router: str | None) -> Config:
     quick = args.quick
     requests = args.requests or (300 if quick else 2000)
+    streams = args.streams if args.streams is not None else (512 if quick else 4096)
     return Config(
         requests=requests,
         concurrency=args.concurrency,
@@ -863,21 +1630,89 @@ def make_config(args: argparse.Namespace) -> Config:
         engine_slots=args.engine_slots,
         profile=args.profile,
         profile_seconds=args.profile_seconds,
+        streams=max(streams, 0),
+        stream_tokens=args.stream_tokens,
+        stream_itl=args.stream_itl,
+        stream_hold_itl=args.stream_hold_itl,
+        stream_batch=max(args.stream_batch, 1),
+        stream_warmup=48,
+        phase_cap=args.phase_cap,
+        vllm_router=vllm_router or "",
+        vllm_router_version=vllm_router_version(vllm_router) if vllm_router else "",
     )
 
 
+def check_file_limit(streams: int) -> str:
+    """Raise RLIMIT_NOFILE as far as allowed; why workload D cannot run, or ""."""
+    soft, hard = raise_nofile_limit()
+    # The router holds a client and an engine connection per stream; the load generator one.
+    needed = 2 * streams + 512
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return ""
+    return (
+        f"workload D skipped: {streams} streams need about {needed} open files in the router "
+        f"(2 per stream, plus some), but RLIMIT_NOFILE is {soft} (hard limit {hard}); "
+        f"raise it (ulimit -n) or pass a smaller --streams"
+    )
+
+
+def _sigterm_to_exit(signum: int, frame: FrameType | None) -> None:
+    # Once: a second SIGTERM must not interrupt the cleanup the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def _raise_on_sigterm() -> Callable[[], None]:
-    """Turn SIGTERM into SystemExit so every ``finally`` (process cleanup) runs."""
+    """Turn SIGTERM into SystemExit so every ``finally`` (process cleanup) runs.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    That is for the synchronous parts (starting and stopping processes); while the event
+    loop runs, ``run_coroutine`` handles SIGTERM instead.
+    """
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_exit)
 
     def restore() -> None:
         signal.signal(signal.SIGTERM, previous)
 
     return restore
+
+
+def run_coroutine(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
+    """``runner.run(coro)``, where SIGTERM cancels ``coro`` and then raises SystemExit.
+
+    An exception raised by a signal handler lands in whatever callback runs at that moment;
+    uvloop takes one raised in a protocol callback for a transport error, logs it and goes
+    on. Cancelling the task instead runs every ``finally`` of the workload (sessions closed,
+    engines' knobs restored), and the SystemExit then unwinds the processes' cleanup.
+    """
+    terminated = False
+
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None  # nosec B101
+
+        def on_sigterm() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            return await coro
+        finally:
+            # remove_signal_handler leaves SIG_DFL behind: put the synchronous handler back.
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, _sigterm_to_exit if not terminated else signal.SIG_IGN)
+
+    try:
+        result = runner.run(guarded())
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)
+    return result
 
 
 def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -890,22 +1725,29 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    config = make_config(args)
     restore = _raise_on_sigterm()
     wall = time.perf_counter()
-    decode_args = [
-        "--standalone",
-        "--slots",
-        str(config.engine_slots),
-        "--ttft",
-        "0",
-        "--itl",
-        "0",
-        "--default-max-tokens",
-        str(config.tokens),
-    ]
-    fleet = SimFleet(prefill=1, decode=2, decode_args=decode_args)
     try:
+        vllm_exe = resolve_vllm_router(args)
+        config = make_config(args, vllm_exe)
+        skipped_d = check_file_limit(config.streams) if config.streams else ""
+        if skipped_d:
+            log(skipped_d)
+            config.streams = 0
+        decode_args = [
+            "--standalone",
+            "--slots",
+            str(config.engine_slots),
+            "--ttft",
+            "0",
+            "--itl",
+            "0",
+            "--default-max-tokens",
+            str(config.tokens),
+        ]
+        fleet = SimFleet(prefill=1, decode=2, decode_args=decode_args)
+        vllm: VllmRouterProcess | None = None
+        notes = [skipped_d] if skipped_d else []
         with contextlib.ExitStack() as stack:
             log("starting 1 prefill + 2 decode sim engines and pd-router on 127.0.0.1")
             stack.enter_context(fleet)
@@ -916,16 +1758,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(config.decode_slots),
             )
             stack.enter_context(router)
-            bench = Bench(config, fleet, router)
+            if vllm_exe:
+                log(f"starting vllm-router {config.vllm_router_version} ({vllm_exe})")
+                candidate = VllmRouterProcess(
+                    vllm_exe, [fleet.prefill[0].url], [engine.url for engine in fleet.decode]
+                )
+                try:
+                    vllm = stack.enter_context(candidate)
+                except RuntimeError as exc:
+                    notes.append(f"vllm-router did not start, its columns are skipped: {exc}")
+                    log(notes[-1])
+            bench = Bench(config, fleet, router, vllm)
+            bench.notes.extend(notes)
             log(
                 "pids: "
                 + "  ".join(f"{name}={pid}" for name, pid in bench.pids.items())
                 + f"  loadgen={os.getpid()}"
             )
             with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-                runner.run(bench.run())
-            results = bench.results()
-        # Engines and router are stopped here, before the report.
+                run_coroutine(runner, bench.run())
+                if config.streams:
+                    bench.run_streams(runner)
+        # Engines and routers are stopped here, before the report.
+        if vllm is not None:
+            bench.notes.append(f"A/B vllm-router stopped: {vllm.stop_note}")
+        results = bench.results()
         results["wall_seconds"] = time.perf_counter() - wall
         bench.print_report()
         log(f"total wall time: {results['wall_seconds']:.1f} s")
