@@ -348,19 +348,24 @@ class Relay:
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
     ) -> None:
         events = EventRelay(prefilled.fix_usage)
-        await client.start_events()
         while data := await answer.next_chunk():
             try:
                 ready = events.feed(data)
             except ValueError as exc:
                 raise UpstreamError(f"{answer.url}: {exc}") from None
+            if not ready:
+                continue
+            if not client.started:
+                # Headers go out with the first event, not before: the client sees both in
+                # one wake-up, and an engine failing before its first event still gets the
+                # client a real error status instead of a 200 and an error event.
+                await client.start_events()
             if events.done:
                 # End the client's response with [DONE] itself: clients (the openai SDK)
                 # hang up as soon as they see it.
                 await client.end_events(ready)
                 break
-            if ready:
-                await client.write(ready)
+            await client.write(ready)
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")

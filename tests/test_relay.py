@@ -267,3 +267,17 @@ async def test_abort_is_two_phase_and_keeps_the_binding_when_closing_upstream_fa
     assert body["error"]["code"] == "abort"
     assert router.fleet.bindings == {} and router.fleet.pool.in_use == 0
     assert outcomes(router) == {("completions", "aborted"): 1}
+
+
+async def test_a_decode_stream_that_breaks_before_its_first_event_gets_an_error_status() -> None:
+    upstream = ScriptedUpstream()  # its decode answer is JSON, not one SSE event
+    router = make_router(upstream)
+    client = Client()
+    await Relay(router, "completions", {**BODY, "stream": True}, "r8")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    # The response had not started: a real status, not a 200 with an error event.
+    assert client.messages[0]["status"] == 502
+    assert "ended without [DONE]" in orjson.loads(client.messages[-1]["body"])["error"]["message"]
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+    assert outcomes(router) == {("completions", "decode_error"): 1}
