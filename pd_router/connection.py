@@ -36,17 +36,17 @@ class ProtocolViolation(ValueError):
     """The engine's bytes are not HTTP/1.1."""
 
 
-def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
-    if not waiter.done():
-        waiter.set_exception(ReadTimeout(f"no byte from the engine for {timeout:g} s"))
-
-
 class EngineConnection(asyncio.Protocol):
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        # The read timeout: one timer per connection, moved lazily. Each wait only sets
+        # ``_deadline``; the timer, when it fires early, re-arms itself for the rest.
+        self._deadline = 0.0
+        self._timeout = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -82,6 +82,7 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._stop_timer()
         if exc is None and self.head_done and not self.complete and not self._framed:
             self.complete = True  # an unframed body ends when the peer closes (not resets)
         if self.error is None and not self.complete:
@@ -178,12 +179,33 @@ class EngineConnection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(timeout, _expire, waiter, timeout)
+        self._timeout = timeout
+        self._deadline = deadline = self._loop.time() + timeout
+        timer = self._timer
+        if timer is None or deadline < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._check_deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms a timer again
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+            return
+        waiter.set_exception(ReadTimeout(f"no byte from the engine for {self._timeout:g} s"))
+
+    def _stop_timer(self) -> None:
+        # A pending timer keeps the connection referenced by the loop until it fires.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter

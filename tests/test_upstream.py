@@ -593,6 +593,22 @@ async def test_a_stall_mid_stream_is_a_timeout_after_the_bytes_that_arrived() ->
     assert caught.value.kind == "timeout"
 
 
+async def test_the_read_timeout_is_between_bytes_not_for_the_whole_answer() -> None:
+    pieces = [chunk(b"data: %d\n\n" % i) for i in range(6)]
+
+    async def handler(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD, *pieces, LAST_CHUNK, pause=0.1)
+        await conn.until_gone()
+
+    # 0.7 s of answer, never 0.25 s without a byte: the timer moved along, it never fired.
+    async with scripted_engine(handler) as engine, engine_client(read_timeout=0.25) as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            assert b"".join([data async for data in chunks(response)]) == b"".join(
+                b"data: %d\n\n" % i for i in range(6)
+            )
+
+
 @pytest.mark.parametrize("hang_up", ["close", "reset"])
 async def test_engine_gone_mid_chunked_body_is_a_broken_stream_after_its_bytes(
     hang_up: str,
