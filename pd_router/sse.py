@@ -46,7 +46,6 @@ class EventRelay:
         self._fix = fix
         self._pending = b""
         self.done = False
-        self.events = 0
 
     def feed(self, data: bytes) -> bytes:
         buffered = self._pending + data if self._pending else data
@@ -58,7 +57,6 @@ class EventRelay:
             return b""
         cut += len(_BOUNDARY)
         ready, self._pending = buffered[:cut], buffered[cut:]
-        self.events += ready.count(_BOUNDARY)
         if ready.find(DONE) >= 0:
             self.done = True
         if ready.find(_USAGE_MARK) >= 0:

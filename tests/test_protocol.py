@@ -81,7 +81,7 @@ def test_event_relay_passes_bytes_through_at_event_boundaries() -> None:
     out = [relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)]
     assert b"".join(out) == stream
     assert all(chunk == b"" or chunk.endswith(b"\n\n") for chunk in out)
-    assert relay.done and relay.events == 3
+    assert relay.done
 
 
 def test_event_relay_rewrites_only_the_usage_event() -> None:
