@@ -12,11 +12,12 @@ Cancellation contract:
   once. Prefill or decode: the upstream connection is closed, so the engine aborts. The
   ASGI server also reports ``http.disconnect`` once the response is complete; that is
   how the watcher ends, so it needs no task group and no cancellation.
-* The hand-off (prefill answered -> decode engine accepted) is shielded: the prefill
-  engine holds the KV until the decode engine pulls it or a lease runs out, so a client
-  leaving there must not strand it. If the client is already gone when decode starts, a
-  one-token "drain" request is sent instead; either way the wait for the decode engine's
-  headers is bounded by ``handoff_grace`` once the client has left.
+* The hand-off (prefill answered -> decode engine has the KV: a non-streamed answer's
+  headers, a streamed answer's first bytes, since vLLM sends a stream's headers before it
+  pulls the blocks) is shielded: the prefill engine holds the KV until the decode engine
+  pulls it or a lease runs out, so a client leaving there must not strand it. If the
+  client is already gone when decode starts, a one-token "drain" request is sent
+  instead; either way the hand-off is bounded by ``handoff_grace`` once the client left.
 * ``fail(error)`` (a node died, an operator aborted, shutdown ran out of time) cancels the
   relay from outside, shield included; ``error`` becomes the client's terminal outcome.
 """
@@ -46,6 +47,10 @@ from .upstream import Response, Upstream
 from .validation import PATHS, Endpoint
 
 log = logging.getLogger("pd_router")
+
+
+# The decode engine's answer once it has taken the KV, and the bytes read to know it.
+Handed = tuple[Response, bytes]
 
 
 @dataclass
@@ -217,15 +222,16 @@ class Relay:
         prefilled = await self._prefill(binding)
         self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
-        answer = await self._decode(binding, prefilled)
-        if answer is None or self.client_gone:
+        handed = await self._decode(binding, prefilled)
+        if handed is None or self.client_gone:
             return
+        answer, first = handed
         node = binding.decode
         try:
             if answer.status != 200:
                 raise await answer.error()
             if self.stream:
-                await self._relay_events(client, answer, prefilled)
+                await self._relay_events(client, answer, prefilled, first)
             else:
                 await self._relay_json(client, answer, prefilled)
         except UpstreamError as error:
@@ -234,7 +240,7 @@ class Relay:
         self.router.fleet.succeeded(node)
         self.outcome = "ok"
 
-    async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Response | None:
+    async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
         try:
             return await self._handoff_to(binding.decode, prefilled)
         except UpstreamError as error:
@@ -303,10 +309,12 @@ class Relay:
         fleet.succeeded(node)
         return prefilled
 
-    async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Response | None:
-        """Send the decode request; shielded until the decode engine has taken it.
+    async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
+        """Send the decode request; shielded until the decode engine has taken the KV.
 
-        Returns None when the client left and the engine did not answer within the grace.
+        A streamed answer's headers do not say so (vLLM sends them before it pulls the
+        blocks); its first bytes do, so they are read in here and returned with it. None
+        when the client left and the engine did not get that far within the grace.
         """
         params = prefilled.kv_transfer_params
         with anyio.CancelScope(shield=True) as handoff:
@@ -319,10 +327,18 @@ class Relay:
                 else:
                     body = handshake.decode_body(self.body, params)
                 answer = await self._send(node, body)
-                if drain and answer.status == 200:
-                    # Read the drain's one token: by then the KV has been pulled.
-                    await answer.read()
-                return answer
+                first = b""
+                if answer.status == 200:
+                    try:
+                        if drain:
+                            # The drain's one token: by then the KV has been pulled.
+                            await answer.read()
+                        elif self.stream:
+                            first = await answer.next_chunk()
+                    except UpstreamError as error:
+                        self._engine_failed(node, error)
+                        raise
+                return answer, first
             finally:
                 self._handoff = None
         return None
@@ -345,27 +361,32 @@ class Relay:
                 self.router.fleet.failed(node, error.message, fatal=error.unreachable)
 
     async def _relay_events(
-        self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
+        self,
+        client: ClientStream,
+        answer: Response,
+        prefilled: handshake.Prefilled,
+        data: bytes,
     ) -> None:
+        """Stream the answer, starting with ``data``, its bytes read in the hand-off."""
         events = EventRelay(prefilled.fix_usage)
-        while data := await answer.next_chunk():
+        while data:
             try:
                 ready = events.feed(data)
             except ValueError as exc:
                 raise UpstreamError(f"{answer.url}: {exc}") from None
-            if not ready:
-                continue
-            if not client.started:
-                # Headers go out with the first event, not before: the client sees both in
-                # one wake-up, and an engine failing before its first event still gets the
-                # client a real error status instead of a 200 and an error event.
-                await client.start_events()
-            if events.done:
-                # End the client's response with [DONE] itself: clients (the openai SDK)
-                # hang up as soon as they see it.
-                await client.end_events(ready)
-                break
-            await client.write(ready)
+            if ready:
+                if not client.started:
+                    # Headers go out with the first event, not before: the client sees
+                    # both in one wake-up, and an engine failing before its first event
+                    # still gets the client a real error status, not a 200 and an event.
+                    await client.start_events()
+                if events.done:
+                    # End the client's response with [DONE] itself: clients (the openai
+                    # SDK) hang up as soon as they see it.
+                    await client.end_events(ready)
+                    break
+                await client.write(ready)
+            data = await answer.next_chunk()
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")

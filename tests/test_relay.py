@@ -35,6 +35,7 @@ class ScriptedResponse:
         self._before_read = before_read
         self.closed = False
         self.close_error: Exception | None = None
+        self.chunks_read = 0
 
     def close(self) -> None:
         if self.close_error is not None:
@@ -46,6 +47,8 @@ class ScriptedResponse:
         return self._body
 
     async def next_chunk(self) -> bytes:
+        assert not self.closed, "read after close"
+        self.chunks_read += 1
         body, self._body = self._body, b""
         return body
 
@@ -198,6 +201,8 @@ async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() 
         {}, client.receive, client.send  # type: ignore[arg-type]
     )
     assert upstream.sent[1][1]["stream"] is True, "the real decode request, not a drain"
+    # A stream's headers come before the engine pulls the KV; its first bytes after.
+    assert upstream.responses[1].chunks_read == 1, "hung up before the engine had the KV"
     assert all(response.closed for response in upstream.responses)
     assert client.messages == []
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
