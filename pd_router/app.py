@@ -57,14 +57,15 @@ class OpenAIRoute:
             if raw is None:
                 self.router.telemetry.count(self.endpoint, "client_aborted")
                 return
-            body = parse_body(raw, self.endpoint)
+            relay = Relay(self.router, self.endpoint, parse_body(raw, self.endpoint), rid)
         except RouterError as error:
             self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
             answer = ClientStream(rid)
             answer.attach(send)
             await answer.fail(error)
             return
-        await Relay(self.router, self.endpoint, body, rid)(scope, receive, send)
+        del raw  # the relay lets go of the request once the engines have it
+        await relay(scope, receive, send)
 
 
 class RouterApp:

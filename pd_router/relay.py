@@ -225,6 +225,10 @@ class Relay:
         handed = await self._decode(binding, prefilled)
         if handed is None or self.client_gone:
             return
+        # The engines have all they need from the request: a long prompt is not held for
+        # as long as its answer streams.
+        self.body = {}
+        prefilled.kv_transfer_params = {}
         answer, first = handed
         node = binding.decode
         try:

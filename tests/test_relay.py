@@ -286,3 +286,21 @@ async def test_a_decode_stream_that_breaks_before_its_first_event_gets_an_error_
     assert "ended without [DONE]" in orjson.loads(client.messages[-1]["body"])["error"]["message"]
     assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
     assert outcomes(router) == {("completions", "decode_error"): 1}
+
+
+async def test_the_request_is_let_go_once_the_decode_engine_has_it() -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+    relay = Relay(router, "completions", {**BODY, "prompt": "long " * 1000}, "r9")
+    held: list[dict[str, Any]] = []
+
+    async def look_while_the_answer_is_read() -> None:
+        held.append(relay.body)
+
+    upstream.on_decode_read = look_while_the_answer_is_read
+    await relay({}, client.receive, client.send)  # type: ignore[arg-type]
+    # Held for the whole answer, long prompts would set the memory each open stream costs.
+    assert held == [{}]
+    assert client.messages[0]["status"] == 200
+    assert upstream.sent[1][1]["prompt"] == "long " * 1000
