@@ -7,7 +7,7 @@ judge (and its 4xx is passed on). A bad request must never cost someone else a s
 from __future__ import annotations
 
 import re
-import uuid
+import secrets
 from typing import Any, Literal
 
 import orjson
@@ -28,7 +28,7 @@ def request_id(header: str | None) -> str:
     """The client's id when it is safe to log and forward, else a fresh one."""
     if header is not None and _SANE_ID.fullmatch(header):
         return header
-    return uuid.uuid4().hex
+    return secrets.token_hex(16)
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
