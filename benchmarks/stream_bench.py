@@ -360,12 +360,15 @@ async def stream_completion(
     *,
     want_ttft: bool = False,
     started: float | None = None,
+    timeout: aiohttp.ClientTimeout = REQUEST_TIMEOUT,
+    on_event: Callable[[bytes], None] | None = None,
 ) -> StreamResult:
     """POST a streaming request and read it to the end.
 
     ``chunks`` counts ``data:`` events before ``[DONE]``; the result is ok only for a 200
     whose stream ended with ``data: [DONE]`` and had ``max_tokens`` chunks. ``ttft`` (with
     ``want_ttft``) runs from ``started`` (default: now) to the first event with text.
+    ``on_event`` sees each of those events as it arrives.
     """
     start = time.perf_counter() if started is None else started
     expected = body["max_tokens"]
@@ -373,7 +376,7 @@ async def stream_completion(
     chunks = 0
     done = False
     try:
-        async with session.post(url, json=body, timeout=REQUEST_TIMEOUT) as response:
+        async with session.post(url, json=body, timeout=timeout) as response:
             if response.status != 200:
                 await response.read()
                 return StreamResult(False, error=f"http_{response.status}")
@@ -384,6 +387,8 @@ async def stream_completion(
                     done = True
                     continue
                 chunks += 1
+                if on_event is not None:
+                    on_event(line)
                 if want_ttft and ttft is None and _has_text(line):
                     ttft = time.perf_counter() - start
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -625,40 +630,25 @@ async def held_stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], state: _OpenStreams
 ) -> str:
     """One stream of workload D: "ok", or what went wrong (as in ``stream_completion``)."""
-    expected = body["max_tokens"]
-    chunks = 0
-    done = False
     opened = False
-    outcome = "ok"
+
+    def on_event(line: bytes) -> None:
+        nonlocal opened
+        state.tokens += 1
+        if not opened and _has_text(line):
+            opened = True
+            state.opened += 1
+
     try:
-        async with session.post(url, json=body, timeout=STREAM_TIMEOUT) as response:
-            if response.status != 200:
-                await response.read()
-                outcome = f"http_{response.status}"
-            else:
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    if line.startswith(DONE):
-                        done = True
-                        continue
-                    chunks += 1
-                    state.tokens += 1
-                    if not opened and _has_text(line):
-                        opened = True
-                        state.opened += 1
-        if outcome == "ok" and not done:
-            outcome = "no_done"
-        elif outcome == "ok" and chunks != expected:
-            outcome = "wrong_chunk_count"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        outcome = type(exc).__name__
+        result = await stream_completion(
+            session, url, body, timeout=STREAM_TIMEOUT, on_event=on_event
+        )
     finally:
         if opened:
             state.closed += 1
         else:
             state.failed_early += 1
-    return outcome
+    return "ok" if result.ok else result.error
 
 
 async def hold_streams(

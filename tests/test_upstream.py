@@ -223,6 +223,35 @@ async def serve_requests(conn: Conn, reply: bytes) -> None:
         await conn.send(reply)
 
 
+async def two_requests_on_two_connections(
+    handler: Handler, between: Callable[[Engine, Upstream], Awaitable[None]]
+) -> None:
+    """Two requests, each answered "ok"; ``between`` runs after the first. The second must
+    have needed a connection of its own: the first one was not pooled, or was dropped."""
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        for request_id in ("a", "b"):
+            with await client.post(url, {}, request_id) as response:
+                assert await response.read() == b"ok"
+            if request_id == "a":
+                await between(engine, client)
+    assert [len(conn.requests) for conn in engine.connections] == [1, 1]
+
+
+async def stream_until_it_breaks(client: Upstream, url: str) -> tuple[bytes, UpstreamError]:
+    """The bytes a stream yielded before the error it ended with."""
+    got = []
+    with pytest.raises(UpstreamError) as caught:
+        with await client.post(url, {}, "r") as response:
+            async for data in chunks(response):
+                got.append(data)
+    return b"".join(got), caught.value
+
+
+async def until_not_pooled(engine: Engine, client: Upstream) -> None:
+    await until(lambda: idle(client) == [])
+
+
 def refused_port() -> socket.socket:
     """A bound socket that does not listen: connecting to its port is refused (RST)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -420,17 +449,9 @@ async def test_an_idle_connection_the_engine_closed_is_replaced() -> None:
         await conn.send(answer(200, b"ok"))
         conn.close()
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        url = engine.url + "/v1/completions"
-        with await client.post(url, {}, "a") as response:
-            assert await response.read() == b"ok"
-        # The router notices the peer's FIN and drops the connection from its pool...
-        await until(lambda: idle(client) == [])
-        # ...so the next request opens a new one.
-        with await client.post(url, {}, "b") as response:
-            assert await response.read() == b"ok"
-
-    assert [len(conn.requests) for conn in engine.connections] == [1, 1]
+    # The router notices the peer's FIN and drops the connection from its pool, so the
+    # next request opens a new one.
+    await two_requests_on_two_connections(handler, until_not_pooled)
 
 
 async def test_a_connection_idle_longer_than_keepalive_is_not_reused(
@@ -481,15 +502,7 @@ async def test_bytes_the_engine_sends_while_idle_drop_the_connection() -> None:
         await conn.send(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
         await serve_requests(conn, answer(200, b"ok"))
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        url = engine.url + "/v1/completions"
-        with await client.post(url, {}, "a") as response:
-            assert await response.read() == b"ok"
-        await until(lambda: idle(client) == [])
-        with await client.post(url, {}, "b") as response:
-            assert await response.read() == b"ok"
-
-    assert [len(conn.requests) for conn in engine.connections] == [1, 1]
+    await two_requests_on_two_connections(handler, until_not_pooled)
 
 
 async def test_a_second_answer_in_the_same_bytes_is_not_taken_for_body() -> None:
@@ -499,17 +512,12 @@ async def test_a_second_answer_in_the_same_bytes_is_not_taken_for_body() -> None
         await conn.send(answer(200, b"ok") + answer(200, b"unasked"))
         await serve_requests(conn, answer(200, b"ok"))
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        url = engine.url + "/v1/completions"
-        with await client.post(url, {}, "a") as response:
-            assert await response.read() == b"ok"
+    async def dropped_at_once(engine: Engine, client: Upstream) -> None:
         # A connection out of step with its engine is dropped, not pooled.
         assert idle(client) == []
         await within(engine.connections[0].gone.wait())
-        with await client.post(url, {}, "b") as response:
-            assert await response.read() == b"ok"
 
-    assert [len(conn.requests) for conn in engine.connections] == [1, 1]
+    await two_requests_on_two_connections(handler, dropped_at_once)
 
 
 # ---------------------------------------------------------------------------- failures
@@ -583,14 +591,10 @@ async def test_a_stall_mid_stream_is_a_timeout_after_the_bytes_that_arrived() ->
         await conn.until_gone()
 
     async with scripted_engine(handler) as engine, engine_client(read_timeout=0.2) as client:
-        got = []
-        with pytest.raises(UpstreamError) as caught:
-            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in chunks(response):
-                    got.append(data)
+        got, error = await stream_until_it_breaks(client, engine.url + "/v1/completions")
         await within(engine.connections[0].gone.wait())
-    assert got == [b"data: 1\n\n"]
-    assert caught.value.kind == "timeout"
+    assert got == b"data: 1\n\n"
+    assert error.kind == "timeout"
 
 
 async def test_the_read_timeout_is_between_bytes_not_for_the_whole_answer() -> None:
@@ -620,15 +624,11 @@ async def test_engine_gone_mid_chunked_body_is_a_broken_stream_after_its_bytes(
         conn.close() if hang_up == "close" else conn.reset()
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        got = []
-        with pytest.raises(UpstreamError) as caught:
-            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in chunks(response):
-                    got.append(data)
+        got, error = await stream_until_it_breaks(client, engine.url + "/v1/completions")
         assert idle(client) == []
-    assert b"".join(got) == b"data: 1\n\ndata: 2\n\n"
-    assert caught.value.kind == "broken_stream"
-    assert "stream broken" in caught.value.message
+    assert got == b"data: 1\n\ndata: 2\n\n"
+    assert error.kind == "broken_stream"
+    assert "stream broken" in error.message
 
 
 async def test_a_content_length_body_cut_short_is_a_broken_stream() -> None:
@@ -679,14 +679,10 @@ async def test_an_invalid_chunk_is_a_protocol_error_after_the_valid_bytes() -> N
         await conn.until_gone()
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        got = []
-        with pytest.raises(UpstreamError) as caught:
-            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in chunks(response):
-                    got.append(data)
+        got, error = await stream_until_it_breaks(client, engine.url + "/v1/completions")
         await within(engine.connections[0].gone.wait())
-    assert got == [b"data: 1\n\n"]
-    assert caught.value.kind == "protocol"
+    assert got == b"data: 1\n\n"
+    assert error.kind == "protocol"
 
 
 @pytest.mark.parametrize(
@@ -866,13 +862,9 @@ async def test_an_unframed_body_cut_by_a_reset_is_a_broken_stream() -> None:
         conn.reset()
 
     async with scripted_engine(handler) as engine, engine_client() as client:
-        got = []
-        with pytest.raises(UpstreamError) as caught:
-            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
-                async for data in chunks(response):
-                    got.append(data)
-    assert got == [b"first "]
-    assert caught.value.kind == "broken_stream"
+        got, error = await stream_until_it_breaks(client, engine.url + "/v1/completions")
+    assert got == b"first "
+    assert error.kind == "broken_stream"
 
 
 # ---------------------------------------------------------------------------- a real engine
