@@ -146,7 +146,6 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await router.upstream.start()
         try:
             async with anyio.create_task_group() as tg:
                 stopping = router.stopping = anyio.Event()

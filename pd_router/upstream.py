@@ -107,9 +107,6 @@ class Upstream:
         self._idle: dict[tuple[str, int, bool], dict[EngineConnection, None]] = {}
         self._tls: ssl.SSLContext | None = None
 
-    async def start(self) -> None:
-        pass
-
     async def close(self) -> None:
         for idle in self._idle.values():
             for conn in list(idle):

@@ -178,7 +178,6 @@ async def engine_client(
     connect_timeout: float = 1.0, read_timeout: float = 1.0
 ) -> AsyncIterator[Upstream]:
     client = Upstream(connect_timeout=connect_timeout, read_timeout=read_timeout)
-    await client.start()
     try:
         yield client
     finally:
