@@ -1,0 +1,145 @@
+"""Router CPU per request of two (or more) commits, side by side on the same engines.
+
+    python benchmarks/compare_commits.py c5cc867 .      # a past commit against the work tree
+    python benchmarks/compare_commits.py A B --tokens 1 --rounds 6
+
+Each revision (``.`` is the working tree) is checked out into a temporary git worktree and
+its router started from there; one set of simulated engines (1 prefill, 2 instant decode)
+serves them all. Load (streaming /v1/completions, 64 clients) alternates between the
+routers round by round, so machine noise falls on all of them alike. Prints router CPU
+milliseconds per request (utime+stime from /proc) and errors; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess  # nosec B404
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.stream_bench import completion_body, cpu_ms, stream_completion  # noqa: E402
+from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
+
+FILLER = " ".join(f"w{i}" for i in range(40))
+
+
+class RevisionRouter(RouterProcess):
+    """The router of one checkout, started from its own source tree."""
+
+    def __init__(self, label: str, source: Path, *args: Any) -> None:
+        super().__init__(*args)
+        self.label = label
+        self.source = source
+
+    def command(self) -> list[str]:
+        code = (
+            "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "from pd_router.cli import main; main()"
+        )
+        argv = [sys.executable, "-c", code, str(self.source)]
+        return [*argv, "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+
+async def load(url: str, requests: int, concurrency: int, tokens: int, tag: str) -> int:
+    """Send ``requests`` streams through ``url``; returns how many failed."""
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(index: int) -> bool:
+            async with gate:
+                body = completion_body(f"{tag}-{index} {FILLER}", tokens)
+                return (await stream_completion(session, url + "/v1/completions", body)).ok
+
+        results = await asyncio.gather(*(one(index) for index in range(requests)))
+    return results.count(False)
+
+
+async def compare(routers: list[RevisionRouter], args: argparse.Namespace) -> None:
+    for router in routers:
+        await load(router.url, 2 * args.concurrency, args.concurrency, args.tokens, "warm")
+    used = {router.label: 0.0 for router in routers}
+    errors = {router.label: 0 for router in routers}
+    for round_ in range(args.rounds):
+        order = routers if round_ % 2 == 0 else routers[::-1]
+        for router in order:
+            assert router.pid is not None  # nosec B101
+            before = cpu_ms(router.pid)
+            tag = f"{router.label}-{round_}"
+            errors[router.label] += await load(
+                router.url, args.requests, args.concurrency, args.tokens, tag
+            )
+            used[router.label] += cpu_ms(router.pid) - before
+    sent = args.requests * args.rounds
+    for router in routers:
+        per_request = used[router.label] / sent
+        print(f"{router.label:>14}: {per_request:.3f} ms router CPU per request, "
+              f"errors={errors[router.label]}")  # fmt: skip
+
+
+def checkout(revision: str, into: Path) -> Path:
+    if revision == ".":
+        return REPO_ROOT
+    subprocess.run(  # nosec B603 B607
+        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q", str(into), revision],
+        check=True,
+    )
+    return into
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("revisions", nargs="+", help="git revisions; . is the working tree")
+    parser.add_argument("--requests", type=int, default=2000, help="per router per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
+    parser.add_argument("--concurrency", type=int, default=64)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pd-router-compare-") as tmp:
+        trees: list[Path] = []
+        try:
+            sources = []
+            for index, revision in enumerate(args.revisions):
+                source = checkout(revision, Path(tmp) / str(index))
+                if source != REPO_ROOT:
+                    trees.append(source)
+                sources.append(source)
+            decode_args = ["--standalone", "--slots", "256", "--ttft", "0", "--itl", "0"]
+            with SimFleet(prefill=1, decode=2, decode_args=decode_args) as fleet:
+                prefill = [engine.url for engine in fleet.prefill]
+                decode = [engine.url for engine in fleet.decode]
+                routers = [
+                    RevisionRouter(f"{index}:{revision}", source, prefill, decode,
+                                   "--decode-slots", "64")  # fmt: skip
+                    for index, (revision, source) in enumerate(zip(args.revisions, sources))
+                ]
+                try:
+                    for router in routers:
+                        router.start()
+                    for router in routers:
+                        router.wait_healthy()
+                    asyncio.run(compare(routers, args))
+                finally:
+                    for router in routers:
+                        router.stop()
+        finally:
+            for tree in trees:
+                subprocess.run(  # nosec B603 B607
+                    ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)],
+                    check=False,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
