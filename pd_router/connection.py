@@ -2,7 +2,7 @@
 
 Why not a general HTTP client: on the streaming path every engine chunk costs a wake-up of
 the relay and nothing else here. httptools (llhttp, C) parses; the callbacks only append
-bytes and resolve one future, and a read timeout is armed only while somebody waits.
+bytes and resolve one future; the read timeout is one timer per connection, moved lazily.
 
 States, in order: ``send()`` writes a request; the head arrives (``status``); body chunks
 arrive; the message completes. A connection is reusable only after a complete message the
