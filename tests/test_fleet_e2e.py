@@ -284,7 +284,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests(fleet: SimFleet) -
             stream.join(30)
             assert stream.completed(), stream.events
             assert stream.text == echo(stream.prompt, 40)
-        assert router.stop(timeout=10) == 0
+        assert router.wait_exit(timeout=10) == 0, router.log()[-2000:]
 
 
 def test_sigterm_ends_stragglers_with_one_error_each(fleet: SimFleet) -> None:
@@ -299,4 +299,4 @@ def test_sigterm_ends_stragglers_with_one_error_each(fleet: SimFleet) -> None:
             stream.join(15)
             assert [e["code"] for e in stream.errors] == ["shutting_down"]
             assert stream.events[-1] == "data: [DONE]"
-        assert router.stop(timeout=10) == 0
+        assert router.wait_exit(timeout=10) == 0, router.log()[-2000:]

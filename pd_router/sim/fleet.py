@@ -129,6 +129,17 @@ class ServerProcess:
                 )
             time.sleep(0.05)
 
+    def wait_exit(self, timeout: float) -> int | None:
+        """Wait for the process to exit by itself (after a signal it was sent, say): its exit
+        code, or None if it still ran after ``timeout``. Unlike ``stop`` it sends nothing: a
+        second SIGTERM to a router finishing a graceful shutdown would kill it."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self, timeout: float = 5.0) -> int | None:
         """Terminate this PID, kill it if it lingers past ``timeout``, reap it; its exit code."""
         process, self._process = self._process, None
