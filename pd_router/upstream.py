@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from functools import lru_cache
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -30,8 +31,11 @@ KEEPALIVE_SECONDS = 4.0
 _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
 
 
+Origin = tuple[str, int, bool]  # host, port, TLS
+
+
 class Target(NamedTuple):
-    origin: tuple[str, int, bool]  # host, port, TLS
+    origin: Origin
     host_header: bytes
     path: bytes
 
@@ -49,12 +53,15 @@ def target(url: str) -> Target:
 
 
 class Response:
-    __slots__ = ("status", "url", "_conn", "_upstream", "_read_timeout", "_released")
+    __slots__ = ("status", "url", "_conn", "_origin", "_upstream", "_read_timeout", "_released")
 
-    def __init__(self, upstream: Upstream, conn: EngineConnection, status: int, url: str) -> None:
+    def __init__(
+        self, upstream: Upstream, conn: EngineConnection, origin: Origin, status: int, url: str
+    ) -> None:
         self.status = status
         self.url = url
         self._conn = conn
+        self._origin = origin
         self._upstream = upstream
         self._read_timeout = upstream.read_timeout
         self._released = False
@@ -71,7 +78,7 @@ class Response:
         counts, as the connection may serve another request once pooled."""
         if not self._released:
             self._released = True
-            self._upstream.release(self._conn, self.url)
+            self._upstream.release(self._conn, self._origin)
 
     async def read(self) -> bytes:
         parts = []
@@ -104,7 +111,7 @@ class Upstream:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         # Per origin, idle connections, most recently used last (a dict is an ordered set).
-        self._idle: dict[tuple[str, int, bool], dict[EngineConnection, None]] = {}
+        self._idle: dict[Origin, dict[EngineConnection, None]] = {}
         self._tls: ssl.SSLContext | None = None
 
     async def close(self) -> None:
@@ -165,22 +172,22 @@ class Upstream:
             if isinstance(exc, _LOST):
                 raise _failure(f"{url}: no answer", exc) from None
             raise
-        return Response(self, conn, status, url)
+        return Response(self, conn, where.origin, status, url)
 
-    def release(self, conn: EngineConnection, url: str) -> None:
+    def release(self, conn: EngineConnection, origin: Origin) -> None:
         if not conn.reusable:
             conn.close()
             return
-        idle = self._idle.setdefault(target(url).origin, {})
-        conn.idle_since = asyncio.get_running_loop().time()
+        idle = self._idle.setdefault(origin, {})
+        conn.idle_since = time.monotonic()
         conn.on_lost = lambda lost: idle.pop(lost, None)
         idle[conn] = None
 
-    def _pooled(self, origin: tuple[str, int, bool]) -> EngineConnection | None:
+    def _pooled(self, origin: Origin) -> EngineConnection | None:
         idle = self._idle.get(origin)
         if not idle:
             return None
-        too_old = asyncio.get_running_loop().time() - KEEPALIVE_SECONDS
+        too_old = time.monotonic() - KEEPALIVE_SECONDS
         while idle:
             conn, _ = idle.popitem()
             conn.on_lost = None
@@ -189,7 +196,7 @@ class Upstream:
             conn.close()
         return None
 
-    async def _connect(self, url: str, origin: tuple[str, int, bool]) -> EngineConnection:
+    async def _connect(self, url: str, origin: Origin) -> EngineConnection:
         host, port, tls = origin
         loop = asyncio.get_running_loop()
         try:

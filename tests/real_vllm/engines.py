@@ -268,7 +268,16 @@ def _group_members(pgid: int) -> list[int]:
             return [pgid]
         except (ProcessLookupError, PermissionError):
             return []
-    members = []
+    return [
+        pid
+        for pid, fields in _proc_stats()
+        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid
+    ]
+
+
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """Every process's pid and its /proc/<pid>/stat fields after the command name
+    (state, ppid, pgrp, ...); the name is in parentheses and may contain spaces."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -277,11 +286,7 @@ def _group_members(pgid: int) -> list[int]:
                 stat = f.read().decode("utf-8", "replace")
         except OSError:
             continue
-        # pid (comm) state ppid pgrp ...; comm may contain spaces/parens.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
+        yield int(entry), stat[stat.rfind(")") + 2 :].split()
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
@@ -322,16 +327,7 @@ def rss_bytes(pid: int) -> int:
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     page = os.sysconf("SC_PAGE_SIZE")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        p = int(entry)
+    for p, fields in _proc_stats():
         children.setdefault(int(fields[1]), []).append(p)
         rss[p] = int(fields[21]) * page
     total, todo = 0, [pid]
