@@ -53,6 +53,8 @@ DYING = 120  # max_tokens of the stream that outlives the prefill engine
 # every wait.
 CLIENT_TIMEOUT = 180.0
 SETTLE = 60.0
+# Tries of a scenario whose timing the machine can defeat (it is not the router's to miss).
+ATTEMPTS = 3
 
 WORDS = (
     "router prefill decode engine block cache key value token stream lease slot queue "
@@ -532,20 +534,39 @@ def test_client_leaving_right_after_prefill_leaves_no_kv_pinned(
 ) -> None:
     """Hang up as soon as the prefill engine has answered: the router still hands the KV
     to the decode engine (or drains it), so the prefill engine frees it at once instead of
-    at the end of its lease."""
-    done = engines.prefill.before.get(FINISHED, finished_reason="length")
-    client = RawClient(router.url, "/v1/completions", _stream_body("after-prefill"))
-    wait_for(
-        lambda: engines.prefill.now().get(FINISHED, finished_reason="length") > done,
-        timeout=CLIENT_TIMEOUT,
-        what="the prefill engine to answer",
-    )
-    client.hang_up()
+    at the end of its lease.
 
+    The test sees the prefill answer only through the engine's /metrics, a scrape that a
+    loaded machine can stall for longer than the whole answer takes. When the router says
+    the answer was complete before the hang-up (outcome ``ok``), the scenario did not
+    happen: it is tried again, up to ``ATTEMPTS`` times."""
+    for attempt in range(1, ATTEMPTS + 1):
+        aborted, answered = outcomes(router, "client_aborted"), outcomes(router, "ok")
+        done = engines.prefill.before.get(FINISHED, finished_reason="length")
+        client = RawClient(router.url, "/v1/completions", _stream_body(f"after-prefill-{attempt}"))
+        wait_for(
+            lambda: engines.prefill.now().get(FINISHED, finished_reason="length") > done,
+            timeout=CLIENT_TIMEOUT,
+            what="the prefill engine to answer",
+        )
+        client.hang_up()
+        wait_for(
+            lambda: outcomes(router, "client_aborted") + outcomes(router, "ok")
+            > aborted + answered,
+            timeout=HANDOFF_GRACE + 10,
+            what="the request to end",
+        )
+        if outcomes(router, "ok") == answered:
+            break
+        settle(engines.decode.idle, "the decode engine to be idle again")
+        engines.mark()
+    else:
+        pytest.fail(f"the answer was complete before the hang-up {ATTEMPTS} times: too slow")
+
+    assert outcomes(router, "client_aborted") == aborted + 1
     _assert_prefill_freed(engines, "hang-up after prefill")
     _assert_decode_stopped(engines, "hang-up after prefill", drained=True)
     assert engines.decode.delta(FAILED_XFERS) == 0
-    wait_for(lambda: router.in_use() == 0, timeout=HANDOFF_GRACE + 10, what="the slot")
 
 
 def test_client_leaving_while_decode_engine_has_not_answered_leaves_no_kv_pinned(
