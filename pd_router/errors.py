@@ -78,11 +78,21 @@ class UpstreamError(RouterError):
 
     ``kind`` says what went wrong, for metrics and for the node's health: anything but an
     ``http_4xx`` (the request's fault, not the engine's) counts against the node, and
-    ``unreachable`` (connection refused) marks it dead at once.
+    ``unreachable`` (connection refused) marks it dead at once. ``connect_timeout`` counts
+    as an ordinary failure: a full accept queue also looks like that, and the streams the
+    engine already serves may be fine.
     """
 
     type = "upstream_error"
-    KINDS = ("unreachable", "timeout", "broken_stream", "http_4xx", "http_5xx", "protocol")
+    KINDS = (
+        "unreachable",
+        "connect_timeout",
+        "timeout",
+        "broken_stream",
+        "http_4xx",
+        "http_5xx",
+        "protocol",
+    )
 
     def __init__(
         self,
@@ -100,6 +110,11 @@ class UpstreamError(RouterError):
     @property
     def unreachable(self) -> bool:
         return self.kind == "unreachable"
+
+    @property
+    def undelivered(self) -> bool:
+        """No byte of the request reached the engine: it can go to another one."""
+        return self.kind in ("unreachable", "connect_timeout")
 
     @property
     def engine_fault(self) -> bool:

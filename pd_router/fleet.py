@@ -103,11 +103,16 @@ class Fleet:
 
     # What the prober and the relay saw
 
-    def failed(self, node: Node, error: str, *, fatal: bool = False) -> None:
+    def failed(
+        self, node: Node, error: str, *, fatal: bool = False, reporter: Handle | None = None
+    ) -> None:
+        """``reporter``, the request that saw the failure, already has its own error and
+        deals with it (a request the engine never got goes to another node): the node's
+        death does not fail it."""
         if node.failed(error, self.policy, fatal=fatal):
             message = f"{node.role} node {node.id} ({node.url}) is dead: {error}"
-            log.warning("%s; failing its %d requests", message, len(node.bound))
-            self.fail_bound(node, NodeDead(message))
+            failing = self.fail_bound(node, NodeDead(message), spare=reporter)
+            log.warning("%s; failing its %d requests", message, failing)
             self._decode_changed()
 
     def succeeded(self, node: Node) -> None:
@@ -120,11 +125,14 @@ class Fleet:
         if not any(node.serving for node in self.pool.nodes):
             self.pool.fail_waiters(Unavailable("no live decode node"))
 
-    def fail_bound(self, node: Node, error: RouterError) -> None:
+    def fail_bound(self, node: Node, error: RouterError, spare: Handle | None = None) -> int:
+        failing = 0
         for rid in list(node.bound):
             binding = self.bindings.get(rid)
-            if binding is not None:
+            if binding is not None and binding.handle is not spare:
                 binding.handle.fail(error)
+                failing += 1
+        return failing
 
     # Administration
 

@@ -79,11 +79,11 @@ class DecodePool:
         """Slots on the nodes that take new requests."""
         return sum(node.slots for node in self.nodes if node.serving)
 
-    def try_acquire(self) -> Reservation | None:
-        """A slot now, or None. Never overtakes a waiter."""
+    def try_acquire(self, avoid: Node | None = None) -> Reservation | None:
+        """A slot now, on any node but ``avoid``, or None. Never overtakes a waiter."""
         if self._waiters:
             return None
-        node = self._pick()
+        node = self._pick(avoid)
         if node is None:
             return None
         node.in_use += 1
@@ -146,13 +146,15 @@ class DecodePool:
             waiter.error = error
             waiter.event.set()
 
-    def _pick(self) -> Node | None:
+    def _pick(self, avoid: Node | None = None) -> Node | None:
         """The serving node with the most free slots; ties go round robin to spread load."""
         best: Node | None = None
         count = len(self.nodes)
         for offset in range(count):
             node = self.nodes[(self._next + offset) % count]
-            if node.serving and node.free > 0 and (best is None or node.free > best.free):
+            if node is avoid or not node.serving or node.free <= 0:
+                continue
+            if best is None or node.free > best.free:
                 best = node
         if best is not None:
             self._next = (self.nodes.index(best) + 1) % count

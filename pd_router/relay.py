@@ -245,17 +245,18 @@ class Relay:
         self.outcome = "ok"
 
     async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
+        first = binding.decode
         try:
-            return await self._handoff_to(binding.decode, prefilled)
+            return await self._handoff_to(first, prefilled)
         except UpstreamError as error:
-            if not error.unreachable:
+            if not error.undelivered:
                 raise
             refused = error
         # Nothing reached that engine and the KV still waits on the prefill engine: any
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
         self._reservation.release()
-        other = pool.try_acquire()
+        other = pool.try_acquire(avoid=first)
         if other is None:
             if not any(node.serving for node in pool.nodes):
                 raise Unavailable("no live decode node")
@@ -362,7 +363,8 @@ class Relay:
         if self._failure is None and not self.client_gone:
             self.router.telemetry.upstream_error(node, error.kind)
             if error.engine_fault:
-                self.router.fleet.failed(node, error.message, fatal=error.unreachable)
+                fleet = self.router.fleet
+                fleet.failed(node, error.message, fatal=error.unreachable, reporter=self)
 
     async def _relay_events(
         self,

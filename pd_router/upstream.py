@@ -223,8 +223,8 @@ class Upstream:
                     EngineConnection, host, port, ssl=self._tls_context() if tls else None
                 )
         except TimeoutError:
-            message = f"{url}: no answer: connect timed out after {self.connect_timeout:g} s"
-            raise UpstreamError(message, kind="timeout") from None
+            message = f"{url}: unreachable: connect timed out after {self.connect_timeout:g} s"
+            raise UpstreamError(message, kind="connect_timeout") from None
         except OSError as exc:
             raise UpstreamError(
                 f"{url}: unreachable: {_describe(exc)}", kind="unreachable"

@@ -105,6 +105,16 @@ async def test_free_slots_spread_over_nodes_before_stacking() -> None:
     assert first.node is not second.node
 
 
+async def test_a_slot_elsewhere_skips_the_node_to_avoid() -> None:
+    pool = pool_of(4, 1)
+    first, second = pool.nodes
+    moved = pool.try_acquire(avoid=first)
+    assert moved is not None and moved.node is second, "the other node, though it has fewer"
+    assert pool.try_acquire(avoid=first) is None, "only the avoided node has a free slot"
+    moved.release()
+    assert_idle(pool)
+
+
 async def test_first_come_first_served_and_no_overtaking() -> None:
     pool = pool_of(1)
     held = await pool.acquire(0)

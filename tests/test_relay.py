@@ -72,9 +72,15 @@ class ScriptedUpstream:
         self.on_decode_read: Callable[[], Awaitable[None]] = nothing
         self.status: dict[str, int] = {}
         self.close_error: Exception | None = None
+        # Origins that raise this error instead of answering, as Upstream.post does when
+        # it could not connect.
+        self.unreachable: dict[str, UpstreamError] = {}
 
     async def post(self, url: str, body: Any, request_id: str) -> ScriptedResponse:
         self.sent.append((url, body))
+        error = self.unreachable.get(url.split("/v1")[0])
+        if error is not None:
+            raise error
         if url.startswith("http://prefill"):
             response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
         else:
@@ -108,10 +114,15 @@ def outcomes(router: Router) -> dict[tuple[str, str], int]:
     return {key: count for key, count in router.telemetry.outcomes.items() if count}
 
 
-def make_router(upstream: ScriptedUpstream, grace: float = 5.0, prefills: int = 1) -> Router:
+def make_router(
+    upstream: ScriptedUpstream, grace: float = 5.0, prefills: int = 1, decodes: int = 1
+) -> Router:
     fleet = Fleet(
         [Node(id=i, url=f"http://prefill{i}", slots=1, role="prefill") for i in range(prefills)],
-        [Node(id=prefills, url="http://decode", slots=1)],
+        [
+            Node(id=prefills + i, url="http://decode" + (str(i) if decodes > 1 else ""), slots=1)
+            for i in range(decodes)
+        ],
     )
     return Router(
         fleet=fleet,
@@ -225,6 +236,81 @@ async def test_prefill_retries_once_on_another_node_after_an_engine_failure() ->
     p0, p1 = router.fleet.prefill.nodes
     assert p0.failures == 1 and p1.failures == 0
     assert router.fleet.pool.in_use == 0
+
+
+@pytest.mark.parametrize(
+    "error, dead",
+    [
+        (UpstreamError("http://decode0: unreachable: refused", kind="unreachable"), True),
+        (UpstreamError("http://decode0: unreachable: timed out", kind="connect_timeout"), False),
+    ],
+    ids=["refused", "connect_timeout"],
+)
+async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
+    error: UpstreamError, dead: bool
+) -> None:
+    upstream = ScriptedUpstream()
+    upstream.unreachable["http://decode0"] = error
+    router = make_router(upstream, decodes=2)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r-move")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert [url for url, _ in upstream.sent] == [
+        "http://prefill0/v1/completions",
+        "http://decode0/v1/completions",
+        "http://decode1/v1/completions",
+    ]
+    # The same KV, still waiting on the prefill engine, goes to the other node.
+    assert upstream.sent[2][1] == upstream.sent[1][1] == {**BODY, "kv_transfer_params": KV}
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    d0, d1 = router.fleet.pool.nodes
+    # A refusal: the engine is gone. A connect timeout: one failure, the node stays.
+    assert d0.serving is not dead and d0.failures == 1
+    assert d0.in_use == d1.in_use == 0
+    pool = router.fleet.pool
+    assert pool.acquired == pool.released == 2
+
+
+async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None:
+    upstream = ScriptedUpstream()
+    upstream.unreachable["http://decode"] = UpstreamError(
+        "http://decode: unreachable: connect timed out after 5 s", kind="connect_timeout"
+    )
+    router = make_router(upstream)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r-stuck")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    # Not sent to the same node again: it just failed to connect.
+    assert [url for url, _ in upstream.sent].count("http://decode/v1/completions") == 1
+    assert client.messages[0]["status"] == 502
+    assert b"connect timed out" in client.messages[1]["body"]
+    assert router.fleet.pool.in_use == 0
+
+
+async def test_a_refused_prefill_goes_to_another_node_and_the_request_lives_on() -> None:
+    """The refusal makes the node dead, which fails the requests bound to it: not the one
+    that saw it, which goes to the other node."""
+    upstream = ScriptedUpstream()
+    upstream.unreachable["http://prefill0"] = UpstreamError(
+        "http://prefill0: unreachable: refused", kind="unreachable"
+    )
+    router = make_router(upstream, prefills=2)
+    client = Client()
+    await Relay(router, "completions", dict(BODY), "r-prefill")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert [url for url, _ in upstream.sent] == [
+        "http://prefill0/v1/completions",
+        "http://prefill1/v1/completions",
+        "http://decode/v1/completions",
+    ]
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    p0, p1 = router.fleet.prefill.nodes
+    assert not p0.serving and p1.serving
 
 
 async def test_an_engine_4xx_is_passed_on_and_does_not_count_against_the_node() -> None:

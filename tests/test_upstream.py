@@ -562,8 +562,8 @@ async def test_connect_timeout() -> None:
         finally:
             for filler in fillers:
                 filler.close()
-    assert caught.value.kind == "timeout"
-    assert "connect timed out after 0.2 s" in caught.value.message
+    assert caught.value.kind == "connect_timeout" and caught.value.undelivered
+    assert "unreachable: connect timed out after 0.2 s" in caught.value.message
     assert 0.15 < elapsed < 1.0
 
 
