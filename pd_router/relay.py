@@ -239,8 +239,7 @@ class Relay:
             else:
                 await self._relay_json(client, answer, prefilled)
         except UpstreamError as error:
-            self._engine_failed(node, error)
-            raise
+            raise self._engine_failed(node, error) from None
         self.router.fleet.succeeded(node)
         self.outcome = "ok"
 
@@ -302,8 +301,7 @@ class Relay:
                 except orjson.JSONDecodeError:
                     raise UpstreamError(f"{answer.url}: prefill answer is not JSON") from None
             except UpstreamError as error:
-                self._engine_failed(node, error)
-                raise
+                raise self._engine_failed(node, error) from None
             finally:
                 # Read to its end: the connection goes back to the pool now, not when the
                 # request ends.
@@ -341,8 +339,7 @@ class Relay:
                         elif self.stream:
                             first = await answer.next_chunk()
                     except UpstreamError as error:
-                        self._engine_failed(node, error)
-                        raise
+                        raise self._engine_failed(node, error) from None
                 return answer, first
             finally:
                 self._handoff = None
@@ -353,18 +350,25 @@ class Relay:
         try:
             answer = await self.router.upstream.post(node.url + self.path, body, self.request_id)
         except UpstreamError as error:
-            self._engine_failed(node, error)
-            raise
+            raise self._engine_failed(node, error) from None
         self._open.append(answer)
         return answer
 
-    def _engine_failed(self, node: Node, error: UpstreamError) -> None:
+    def _engine_failed(self, node: Node, error: UpstreamError) -> UpstreamError:
+        """Count ``error`` against ``node``; returns it as the client is told, which names
+        the engine's role as well as its URL."""
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
             self.router.telemetry.upstream_error(node, error.kind)
             if error.engine_fault:
                 fleet = self.router.fleet
                 fleet.failed(node, error.message, fatal=error.unreachable, reporter=self)
+        return UpstreamError(
+            f"{node.role} engine {error.message}",
+            status=error.status,
+            code=error.code,
+            kind=error.kind,
+        )
 
     async def _relay_events(
         self,

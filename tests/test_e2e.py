@@ -234,7 +234,9 @@ def test_unreachable_prefill_is_a_clear_502(sims: SimFleet) -> None:
             f"{router.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30
         )
         assert response.status_code == 502
-        assert "127.0.0.1:9" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert message.startswith("prefill engine http://127.0.0.1:9/"), message
+        assert "unreachable" in message, message
         router.assert_idle()
 
 

@@ -286,7 +286,8 @@ async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None
     # Not sent to the same node again: it just failed to connect.
     assert [url for url, _ in upstream.sent].count("http://decode/v1/completions") == 1
     assert client.messages[0]["status"] == 502
-    assert b"connect timed out" in client.messages[1]["body"]
+    message = orjson.loads(client.messages[1]["body"])["error"]["message"]
+    assert message == "decode engine http://decode: unreachable: connect timed out after 5 s"
     assert router.fleet.pool.in_use == 0
 
 
