@@ -145,6 +145,41 @@ def test_a_dead_decode_engine_fails_only_its_own_streams(fleet: SimFleet) -> Non
         assert fleet.decode[0].stats()["completed"] > 0, "the readmitted node takes traffic"
 
 
+def test_a_request_refused_by_a_dead_decode_engine_goes_to_another(fleet: SimFleet) -> None:
+    """Killed between health probes: the first request that picks it is refused, before
+    anything reached it, so it goes to the other decode node with the prefill's KV, and
+    the node is dead from then on. No client sees an error."""
+    with router_for(fleet, "--decode-slots", "8", "--health-interval", "3600") as router:
+        victim, survivor = fleet.decode
+        victim.kill()
+        before = survivor.stats()["completed"]
+        for i in range(4):
+            prompt = f"moved {i} along"
+            answer = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": "sim-model", "prompt": prompt, "max_tokens": 3},
+                timeout=10,
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == echo(prompt, 3)
+        assert survivor.stats()["completed"] == before + 4
+        victim_id = next(
+            n["id"]
+            for n in admin(router, "GET", "/nodes").json()["nodes"]
+            if n["url"] == victim.url
+        )
+        assert node_states(router)[victim_id] == "dead"
+        refusals = {
+            key: value
+            for key, value in router.metrics().items()
+            if key.startswith("pd_router_upstream_errors_total{") and value
+        }
+        assert list(refusals.values()) == [1.0], refusals
+        assert "kind=unreachable" in next(iter(refusals)) and "role=decode" in next(iter(refusals))
+        assert router.metrics()["pd_router_requests_total{endpoint=completions,outcome=ok}"] == 4
+        router.assert_idle()
+
+
 def test_with_no_live_decode_node_queued_requests_fail_at_once(fleet: SimFleet) -> None:
     # One failure is enough here: the holder's broken stream must mark the node dead before
     # its slot could be handed to a waiter (with a higher threshold that waiter would be
