@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import random
 import socket
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import orjson
 import pytest
+import trustme
 
 from pd_router import upstream as upstream_module
 from pd_router.connection import HIGH_WATER, EngineConnection
@@ -133,9 +135,11 @@ class Engine:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
 
+    scheme = "http"
+
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{self.scheme}://{HOST}:{self.port}"
 
     @property
     def requests(self) -> list[Request]:
@@ -158,9 +162,13 @@ class Engine:
 
 
 @asynccontextmanager
-async def scripted_engine(handler: Handler) -> AsyncIterator[Engine]:
+async def scripted_engine(
+    handler: Handler, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[Engine]:
     engine = Engine(handler)
-    server = await asyncio.start_server(engine.serve, HOST, 0)
+    if tls is not None:
+        engine.scheme = "https"
+    server = await asyncio.start_server(engine.serve, HOST, 0, ssl=tls)
     engine.port = server.sockets[0].getsockname()[1]
     try:
         yield engine
@@ -520,6 +528,55 @@ async def test_a_second_answer_in_the_same_bytes_is_not_taken_for_body() -> None
 
 
 # ---------------------------------------------------------------------------- failures
+
+
+@pytest.fixture
+def engine_ca() -> trustme.CA:
+    return trustme.CA()
+
+
+def tls_for(ca: trustme.CA) -> ssl.SSLContext:
+    """A server context with a certificate for 127.0.0.1 that ``ca`` signed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(HOST).configure_cert(context)
+    return context
+
+
+async def test_an_https_engine_is_verified_by_the_ca_in_ssl_cert_file(
+    engine_ca: trustme.CA, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundle = tmp_path / "engines-ca.pem"
+    engine_ca.cert_pem.write_to_path(str(bundle))
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))  # what an operator sets for a private CA
+
+    async def handler(conn: Conn) -> None:
+        while await conn.request() is not None:
+            await conn.send(CHUNKED_HEAD, chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n"))
+            await conn.send(LAST_CHUNK)
+
+    async with scripted_engine(handler, tls_for(engine_ca)) as engine, engine_client() as client:
+        assert engine.url.startswith("https://")
+        for _ in range(2):
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                assert b"".join([data async for data in chunks(response)]) == (
+                    b"data: 1\n\ndata: 2\n\n"
+                )
+    assert len(engine.connections) == 1, "the TLS connection is kept alive and reused"
+    request = engine.requests[0]
+    assert request.header(b"host") == f"{HOST}:{engine.port}".encode()
+
+
+async def test_an_https_engine_with_a_certificate_nobody_trusts_is_unreachable(
+    engine_ca: trustme.CA,
+) -> None:
+    async def handler(conn: Conn) -> None:
+        await conn.request()
+
+    async with scripted_engine(handler, tls_for(engine_ca)) as engine, engine_client() as client:
+        with pytest.raises(UpstreamError) as caught:
+            await client.post(engine.url + "/v1/completions", {}, "r")
+    assert caught.value.kind == "unreachable"
+    assert "CERTIFICATE_VERIFY_FAILED" in caught.value.message
 
 
 async def test_connection_refused_is_unreachable() -> None:
