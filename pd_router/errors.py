@@ -76,23 +76,15 @@ class QueueTimeout(Busy):
 class UpstreamError(RouterError):
     """An engine failed or answered with an error; its status is passed on when it has one.
 
-    ``kind`` says what went wrong, for metrics and for the node's health: anything but an
-    ``http_4xx`` (the request's fault, not the engine's) counts against the node, and
-    ``unreachable`` (connection refused) marks it dead at once. ``connect_timeout`` counts
-    as an ordinary failure: a full accept queue also looks like that, and the streams the
-    engine already serves may be fine.
+    ``kind`` says what went wrong, for metrics and for the node's health: ``unreachable``,
+    ``connect_timeout``, ``timeout``, ``broken_stream``, ``http_4xx``, ``http_5xx`` or
+    ``protocol``. Anything but an ``http_4xx`` (the request's fault, not the engine's)
+    counts against the node, and ``unreachable`` (connection refused) marks it dead at
+    once. ``connect_timeout`` counts as an ordinary failure: a full accept queue also looks
+    like that, and the streams the engine already serves may be fine.
     """
 
     type = "upstream_error"
-    KINDS = (
-        "unreachable",
-        "connect_timeout",
-        "timeout",
-        "broken_stream",
-        "http_4xx",
-        "http_5xx",
-        "protocol",
-    )
 
     def __init__(
         self,
