@@ -134,13 +134,19 @@ def make_router(
 BODY = {"model": "m", "prompt": "hi there", "max_tokens": 20, "stream": False}
 
 
+async def served(router: Router, body: dict[str, Any]) -> Client:
+    """One request through the relay, start to end; the client, with what it was sent."""
+    client = Client()
+    await Relay(router, "completions", body, "r")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    return client
+
+
 async def test_a_whole_request_releases_its_slot_and_reports_prefill_usage() -> None:
     upstream = ScriptedUpstream()
     router = make_router(upstream)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r1")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, dict(BODY))
     body = orjson.loads(client.messages[-1]["body"])
     assert body["usage"] == {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
     assert [url for url, _ in upstream.sent] == ["http://prefill0/v1/completions"] + [
@@ -219,22 +225,31 @@ async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() 
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
 
 
-async def test_prefill_retries_once_on_another_node_after_an_engine_failure() -> None:
+@pytest.mark.parametrize("refused", [False, True], ids=["503", "refused"])
+async def test_prefill_retries_once_on_another_node_after_an_engine_failure(
+    refused: bool,
+) -> None:
+    """A refusal makes the node dead, which fails the requests bound to it: not the one
+    that saw it, which goes to the other node like after a 503."""
     upstream = ScriptedUpstream()
-    upstream.status["http://prefill0"] = 503
+    if refused:
+        upstream.unreachable["http://prefill0"] = UpstreamError(
+            "http://prefill0: unreachable: refused", kind="unreachable"
+        )
+    else:
+        upstream.status["http://prefill0"] = 503
     router = make_router(upstream, prefills=2)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r5")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, dict(BODY))
     assert [url for url, _ in upstream.sent] == [
         "http://prefill0/v1/completions",
         "http://prefill1/v1/completions",
         "http://decode/v1/completions",
     ]
     assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
     p0, p1 = router.fleet.prefill.nodes
     assert p0.failures == 1 and p1.failures == 0
+    assert p0.serving is not refused and p1.serving
     assert router.fleet.pool.in_use == 0
 
 
@@ -252,10 +267,7 @@ async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
     upstream = ScriptedUpstream()
     upstream.unreachable["http://decode0"] = error
     router = make_router(upstream, decodes=2)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r-move")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, dict(BODY))
     assert [url for url, _ in upstream.sent] == [
         "http://prefill0/v1/completions",
         "http://decode0/v1/completions",
@@ -279,10 +291,7 @@ async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None
         "http://decode: unreachable: connect timed out after 5 s", kind="connect_timeout"
     )
     router = make_router(upstream)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r-stuck")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, dict(BODY))
     # Not sent to the same node again: it just failed to connect.
     assert [url for url, _ in upstream.sent].count("http://decode/v1/completions") == 1
     assert client.messages[0]["status"] == 502
@@ -291,37 +300,11 @@ async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None
     assert router.fleet.pool.in_use == 0
 
 
-async def test_a_refused_prefill_goes_to_another_node_and_the_request_lives_on() -> None:
-    """The refusal makes the node dead, which fails the requests bound to it: not the one
-    that saw it, which goes to the other node."""
-    upstream = ScriptedUpstream()
-    upstream.unreachable["http://prefill0"] = UpstreamError(
-        "http://prefill0: unreachable: refused", kind="unreachable"
-    )
-    router = make_router(upstream, prefills=2)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r-prefill")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
-    assert [url for url, _ in upstream.sent] == [
-        "http://prefill0/v1/completions",
-        "http://prefill1/v1/completions",
-        "http://decode/v1/completions",
-    ]
-    assert client.messages[0]["status"] == 200
-    assert outcomes(router) == {("completions", "ok"): 1}
-    p0, p1 = router.fleet.prefill.nodes
-    assert not p0.serving and p1.serving
-
-
 async def test_an_engine_4xx_is_passed_on_and_does_not_count_against_the_node() -> None:
     upstream = ScriptedUpstream()
     upstream.status["http://decode"] = 400
     router = make_router(upstream)
-    client = Client()
-    await Relay(router, "completions", dict(BODY), "r6")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, dict(BODY))
     assert client.messages[0]["status"] == 400
     assert all(node.failures == 0 for node in router.fleet.nodes)
     assert outcomes(router) == {("completions", "decode_error"): 1}
@@ -364,10 +347,7 @@ async def test_abort_is_two_phase_and_keeps_the_binding_when_closing_upstream_fa
 async def test_a_decode_stream_that_breaks_before_its_first_event_gets_an_error_status() -> None:
     upstream = ScriptedUpstream()  # its decode answer is JSON, not one SSE event
     router = make_router(upstream)
-    client = Client()
-    await Relay(router, "completions", {**BODY, "stream": True}, "r8")(
-        {}, client.receive, client.send  # type: ignore[arg-type]
-    )
+    client = await served(router, {**BODY, "stream": True})
     # The response had not started: a real status, not a 200 with an error event.
     assert client.messages[0]["status"] == 502
     assert "ended without [DONE]" in orjson.loads(client.messages[-1]["body"])["error"]["message"]

@@ -715,6 +715,17 @@ async def test_an_engine_that_closes_without_answering_is_a_broken_stream() -> N
     assert len(engine.connections) == 1
 
 
+async def second_request_error(handler: Handler) -> tuple[UpstreamError, Engine]:
+    """The first request is answered "first"; the error the second one ends with."""
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        with await client.post(url, {}, "r") as response:
+            assert await response.read() == b"first"
+        with pytest.raises(UpstreamError) as caught:
+            await client.post(url, {}, "r")
+    return caught.value, engine
+
+
 def closes_the_pooled_connection(later: Handler) -> Handler:
     """The first connection answers one request, then takes the next one and closes without
     a word, like an engine dropping an idle keep-alive connection just as the request came
@@ -756,14 +767,8 @@ async def test_a_request_is_sent_at_most_twice() -> None:
         await conn.request()
         conn.close()
 
-    async with scripted_engine(closes_the_pooled_connection(drops)) as engine:
-        async with engine_client() as client:
-            url = engine.url + "/v1/completions"
-            with await client.post(url, {}, "r") as response:
-                assert await response.read() == b"first"
-            with pytest.raises(UpstreamError) as caught:
-                await client.post(url, {}, "r")
-    assert caught.value.kind == "broken_stream"
+    error, engine = await second_request_error(closes_the_pooled_connection(drops))
+    assert error.kind == "broken_stream"
     assert len(engine.connections) == 2
 
 
@@ -775,13 +780,8 @@ async def test_a_pooled_connection_dropped_mid_answer_is_not_sent_again() -> Non
         await conn.send(b"HTTP/1.1 200 OK\r\ncontent-le")
         conn.close()
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        url = engine.url + "/v1/completions"
-        with await client.post(url, {}, "r") as response:
-            assert await response.read() == b"first"
-        with pytest.raises(UpstreamError) as caught:
-            await client.post(url, {}, "r")
-    assert caught.value.kind == "broken_stream"
+    error, engine = await second_request_error(handler)
+    assert error.kind == "broken_stream"
     assert len(engine.connections) == 1
 
 
