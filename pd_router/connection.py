@@ -53,7 +53,6 @@ class EngineConnection(asyncio.Protocol):
         self._keep_alive = False
         self._framed = False  # Content-Length or chunked: the end is not the peer closing
         self._expecting = False  # a request is out and its answer has not ended
-        self.answering = False  # a byte of the answer to the last request arrived
         self.status = 0
         self.head_done = False
         self.complete = False
@@ -76,7 +75,6 @@ class EngineConnection(asyncio.Protocol):
         if not self._expecting:
             self._lose(ProtocolViolation("the engine sent bytes nobody asked for"))
             return
-        self.answering = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -145,7 +143,6 @@ class EngineConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.head_done = self.complete = self._framed = self._keep_alive = False
-        self.answering = False
         self._expecting = True
         self._transport.write(request)
 

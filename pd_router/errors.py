@@ -78,10 +78,11 @@ class UpstreamError(RouterError):
 
     ``kind`` says what went wrong, for metrics and for the node's health: ``unreachable``,
     ``connect_timeout``, ``timeout``, ``broken_stream``, ``http_4xx``, ``http_5xx`` or
-    ``protocol``. Anything but an ``http_4xx`` (the request's fault, not the engine's)
-    counts against the node, and ``unreachable`` (connection refused) marks it dead at
-    once. ``connect_timeout`` counts as an ordinary failure: a full accept queue also looks
-    like that, and the streams the engine already serves may be fine.
+    ``protocol`` (and ``node_dead``: another request found the engine dead). Anything but
+    an ``http_4xx`` (the request's fault, not the engine's) counts against the node, and
+    ``unreachable`` (connection refused) marks it dead at once. ``connect_timeout`` counts
+    as an ordinary failure: a full accept queue also looks like that, and the streams the
+    engine already serves may be fine.
     """
 
     type = "upstream_error"
@@ -150,7 +151,7 @@ class NodeDead(UpstreamError):
     outcome = "node_dead"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, status=502, code="node_dead", kind="unreachable")
+        super().__init__(message, status=502, code="node_dead", kind="node_dead")
 
 
 class Aborted(RouterError):

@@ -6,8 +6,10 @@ binding is removed on every path (end, abort, eviction), so the table never outg
 requests in flight.
 
 A node's death fails exactly the requests bound to it, each through its own handle, once;
-nothing else is touched. Failing is synchronous: each request is cancelled and sends its
-own one terminal error from its own cleanup point.
+nothing else is touched. The request whose own attempt showed the node dead is spared: it
+already has its error, and goes to another node if the engine never got it. Failing is
+synchronous: each request is cancelled and sends its own one terminal error from its own
+cleanup point.
 """
 
 from __future__ import annotations

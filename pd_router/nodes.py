@@ -4,7 +4,8 @@ No I/O here: the prober and the relay report what they saw, and a node's state f
 from it by the rules below.
 
 * ``serving``: picked for new requests. ``draining``: keeps its in-flight requests, gets no
-  new ones. ``dead``: picked by nothing; its requests have been failed.
+  new ones. ``dead``: picked by nothing; its requests have been failed, except the one that
+  found it dead, which handles its own error.
 * A node dies after ``unhealthy_after`` consecutive failures (probes or real requests), or
   at once when a real request finds it refusing connections. It is readmitted after
   ``healthy_after`` consecutive successful probes.

@@ -25,7 +25,9 @@ from .connection import ConnectionLost, EngineConnection, ProtocolViolation, Rea
 from .errors import UpstreamError, upstream_message
 
 # Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
-# closes them after 5 s): reusing one the engine is closing costs its request a second try.
+# closes them after 5 s): reusing one the engine is closing would fail the request that
+# picked it, and a request is never sent twice (an engine that read it and then died sends
+# no byte either, so "no answer" does not prove it was not taken).
 KEEPALIVE_SECONDS = 4.0
 
 _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
@@ -164,33 +166,16 @@ class Upstream:
         if body:
             head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
         request = head + b"\r\n" + body
-        try:
-            conn = self._pooled(where.origin)
-            if conn is not None:
-                try:
-                    return await self._exchange(conn, request, url, where.origin)
-                except ConnectionLost:
-                    if conn.answering:
-                        raise
-                    # Closed without a byte of answer: the engine was dropping the idle
-                    # connection as the request went out (its keep-alive timer racing
-                    # ours), so it never took the request. Once more, on a new connection;
-                    # an engine that is gone refuses that one (unreachable).
-            conn = await self._connect(url, where.origin)
-            return await self._exchange(conn, request, url, where.origin)
-        except _LOST as exc:
-            raise _failure(f"{url}: no answer", exc) from None
-
-    async def _exchange(
-        self, conn: EngineConnection, request: bytes, url: str, origin: Origin
-    ) -> Response:
+        conn = self._pooled(where.origin) or await self._connect(url, where.origin)
         try:
             conn.send(request)
             status = await conn.head(self.read_timeout)
-        except BaseException:
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, _LOST):
+                raise _failure(f"{url}: no answer", exc) from None
             raise
-        return Response(self, conn, origin, status, url)
+        return Response(self, conn, where.origin, status, url)
 
     def release(self, conn: EngineConnection, origin: Origin) -> None:
         if not conn.reusable:

@@ -564,6 +564,7 @@ def test_client_leaving_right_after_prefill_leaves_no_kv_pinned(
         pytest.fail(f"the answer was complete before the hang-up {ATTEMPTS} times: too slow")
 
     assert outcomes(router, "client_aborted") == aborted + 1
+    wait_for(lambda: router.in_use() == 0, timeout=10, what="the slot")
     _assert_prefill_freed(engines, "hang-up after prefill")
     _assert_decode_stopped(engines, "hang-up after prefill", drained=True)
     assert engines.decode.delta(FAILED_XFERS) == 0
