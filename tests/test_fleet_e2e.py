@@ -152,6 +152,10 @@ def test_a_request_refused_by_a_dead_decode_engine_goes_to_another(fleet: SimFle
     with router_for(fleet, "--decode-slots", "8", "--health-interval", "3600") as router:
         victim, survivor = fleet.decode
         victim.kill()
+        # The router's idle keep-alive connection to it (from the start-up probe) closes
+        # too; a request that picked it before the router saw that would fail "no answer"
+        # by design (no request is sent twice). Let the FIN arrive.
+        time.sleep(0.5)
         before = survivor.stats()["completed"]
         for i in range(4):
             prompt = f"moved {i} along"
