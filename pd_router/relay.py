@@ -250,7 +250,7 @@ class Relay:
         except UpstreamError as error:
             if not error.undelivered:
                 raise
-            refused = error
+            unreached = error
         # Nothing reached that engine and the KV still waits on the prefill engine: any
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
@@ -259,7 +259,7 @@ class Relay:
         if other is None:
             if not any(node.serving for node in pool.nodes):
                 raise Unavailable("no live decode node")
-            raise refused
+            raise unreached
         self._reservation = other
         self.router.fleet.set_decode(binding, other.node)
         self._decode_node = other.node
