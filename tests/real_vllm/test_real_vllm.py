@@ -48,7 +48,9 @@ MODEL = "tiny"
 EXTRA_BODY = {"ignore_eos": True, "return_token_ids": True}
 HANDOFF_GRACE = 5.0  # the router's default --handoff-grace
 LONG = 400  # max_tokens that take seconds to generate (max-model-len is 512)
-DYING = 120  # max_tokens of the stream that outlives the prefill engine
+# max_tokens of the stream that outlives the prefill engine: long enough that a stall of a few
+# seconds between its first tokens and the kill does not let it end first
+DYING = LONG
 # A loaded 2-core machine that can stall for tens of seconds: give engines time, but bound
 # every wait.
 CLIENT_TIMEOUT = 180.0
