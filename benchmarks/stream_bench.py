@@ -792,7 +792,9 @@ class Profile:
     error: str = ""
 
 
-def py_spy_command(pid: int, duration: int, out: str) -> list[str] | None:
+def py_spy_command(pid: int, duration: int, out: str, native: bool) -> list[str] | None:
+    """``native``: C frames too (the kernel's read/write show as libc); it stops the router
+    for each sample, where the default samples without stopping it."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(exe).exists():
         return None
@@ -805,7 +807,7 @@ def py_spy_command(pid: int, duration: int, out: str) -> list[str] | None:
         str(duration),
         "--rate",
         str(PY_SPY_RATE),
-        "--nonblocking",
+        "--native" if native else "--nonblocking",
         "--format",
         "raw",
         "--output",
@@ -862,6 +864,7 @@ class Config:
     engine_slots: int
     profile: bool
     profile_seconds: int
+    profile_native: bool
     streams: int
     stream_tokens: int
     stream_itl: float
@@ -1109,7 +1112,9 @@ class Bench:
         """An extra routed pass with py-spy attached; not used for the ratios."""
         config = self.config
         out = Path(tempfile.gettempdir()) / "router-profile.txt"
-        command = py_spy_command(self.pids["router"], config.profile_seconds, str(out))
+        command = py_spy_command(
+            self.pids["router"], config.profile_seconds, str(out), config.profile_native
+        )
         if command is None:
             self.profile = Profile(0, error="py-spy not found (pip install py-spy)")
             log("profile: py-spy not found, skipped")
@@ -1511,8 +1516,9 @@ class Bench:
         for frame, count in profile.top_own:
             share = count / profile.samples * 100 if profile.samples else 0.0
             log(f"   {share:6.1f}%  {count:>6}  {frame}")
-        log("   (time in uvloop's C code, e.g. socket I/O, shows up as its Python caller,")
-        log("    such as Runner.run: py-spy sees Python frames only without --native)")
+        if not self.config.profile_native:
+            log("   (time in uvloop's C code, e.g. socket I/O, shows up as its Python caller,")
+            log("    such as Runner.run: --profile-native shows C frames too)")
         log("   pd_router functions by inclusive time (a lower bound: py-spy loses the callers")
         log("   of some coroutines that uvloop resumes from C):")
         for frame, count in profile.top_router_inclusive:
@@ -1564,6 +1570,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer requests, one round")
     parser.add_argument("--profile", action="store_true", help="py-spy the router (extra pass)")
     parser.add_argument("--profile-seconds", type=int, default=10)
+    parser.add_argument(
+        "--profile-native", action="store_true", help="with --profile: C frames too (py-spy)"
+    )
     vllm = parser.add_mutually_exclusive_group()
     vllm.add_argument(
         "--vllm-router",
@@ -1620,6 +1629,7 @@ def make_config(args: argparse.Namespace, vllm_router: str | None) -> Config:
         engine_slots=args.engine_slots,
         profile=args.profile,
         profile_seconds=args.profile_seconds,
+        profile_native=args.profile_native,
         streams=max(streams, 0),
         stream_tokens=args.stream_tokens,
         stream_itl=args.stream_itl,
