@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import Aborted, BadRequest, RouterError
-from .nodes import Node, check_labels, parse_node
+from .errors import Aborted
+from .nodes import Node, check_labels, normalise_url
 from .relay import Relay, Router
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -24,8 +24,8 @@ def _json(document: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(document), status_code=status, media_type="application/json")
 
 
-def _error(status: int, message: str, code: str) -> Response:
-    error = {"message": message, "type": "admin_error", "param": None, "code": code}
+def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+    error = {"message": message, "type": "admin_error", "param": param, "code": code}
     return _json({"error": error}, status)
 
 
@@ -35,6 +35,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "url": node.url,
         "role": node.role,
         "state": node.state.value,
+        "reason": node.reason,
         "slots": node.slots,
         "in_use": node.in_use,
         "bound_requests": sorted(node.bound),
@@ -77,17 +78,25 @@ def admin_routes(router: Router, token: str) -> list[Route]:
     async def add_node(request: Request) -> Response:
         try:
             spec = orjson.loads(await request.body())
-            if not isinstance(spec, dict) or spec.get("role") not in ("prefill", "decode"):
-                raise BadRequest(
-                    'expected {"url": ..., "role": "prefill"|"decode", "slots": N, "labels": {}}'
-                )
-            slots = spec.get("slots", 1)
-            if not isinstance(slots, int) or isinstance(slots, bool):
-                raise BadRequest("'slots' must be a whole number")
-            url, slots = parse_node(str(spec.get("url", "")), slots)
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}", "bad_node")
+        if not isinstance(spec, dict) or spec.get("role") not in ("prefill", "decode"):
+            shape = '{"url": ..., "role": "prefill"|"decode", "slots": N, "labels": {}}'
+            return _error(400, f"expected {shape}", "bad_node", "role")
+        slots = spec.get("slots", 1)
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            return _error(400, "'slots' must be a whole number >= 1", "bad_node", "slots")
+        url = spec.get("url")
+        try:
+            if not isinstance(url, str):
+                raise ValueError("'url' must be a string: http(s)://host:port")
+            url = normalise_url(url)
+        except ValueError as exc:
+            return _error(400, f"url: {exc}", "bad_node", "url")
+        try:
             labels = check_labels(spec.get("labels", {}))
-        except (orjson.JSONDecodeError, ValueError, RouterError) as exc:
-            return _error(400, getattr(exc, "message", str(exc)), "bad_node")
+        except ValueError as exc:
+            return _error(400, f"labels: {exc}", "bad_node", "labels")
         node = fleet.add(url, spec["role"], slots)
         node.labels = labels
         return _json(node_view(node), 201)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -19,7 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from .admin import admin_routes
 from .errors import PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
-from .health import probe_forever
+from .health import probe_forever, supervise, watch_stalls
+from .lag import LoopLag
 from .relay import Relay, Router
 from .response import ClientStream
 from .validation import PATHS, Endpoint, parse_body, request_id
@@ -92,6 +94,7 @@ class AppOptions:
     admin_token: str | None = None
     health_interval: float = 1.0
     health_timeout: float = 1.0
+    stall_timeout: float = 30.0
     shutdown_timeout: float = 30.0
 
 
@@ -101,7 +104,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     fleet = router.fleet
 
     async def models(request: Request) -> Response:
-        nodes = [node for node in fleet.nodes if node.serving]
+        serving = set(fleet.serving_view())
+        nodes = [node for node in fleet.nodes if node.id in serving]
         answers: list[Any] = [None] * len(nodes)
 
         async def ask(index: int, url: str) -> None:
@@ -146,18 +150,26 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        lag = LoopLag()
         try:
             async with anyio.create_task_group() as tg:
                 stopping = router.stopping = anyio.Event()
+                tg.start_soon(supervise, "the loop-lag ticker", lag.run)
                 if options.health_interval > 0:
-                    tg.start_soon(
+                    prober = partial(
                         probe_forever,
                         fleet,
                         router.upstream,
                         options.health_interval,
                         options.health_timeout,
+                        lag,
                     )
-                tg.start_soon(_end_stragglers, router, stopping, options.shutdown_timeout)
+                    tg.start_soon(supervise, "the prober", prober)
+                if options.stall_timeout > 0:
+                    watch = partial(watch_stalls, fleet, options.stall_timeout)
+                    tg.start_soon(supervise, "the stall watch", watch)
+                stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
+                tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield
                 tg.cancel_scope.cancel()
         finally:

@@ -65,10 +65,16 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "largest request body accepted (413 above)"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
-    ("--health-timeout", _seconds, 1.0, "SECONDS", "a slower probe counts as a failure"),
-    ("--unhealthy-after", _positive, 3, "N", "consecutive failures that mark a node dead"),
+    ("--health-timeout", _seconds, 1.0, "SECONDS",
+     "a slower probe counts as a (soft) failure, unless the router itself lagged"),
+    ("--unhealthy-after", _positive, 3, "N",
+     "failures in a row that make a node unhealthy (no new requests; soft: slow, 5xx) "
+     "or dead (its requests failed; hard: reset, broken streams, refused probes)"),
     ("--healthy-after", _positive, 2, "N",
-     "consecutive successful probes that readmit a dead node"),
+     "good probes in a row that readmit an unhealthy or dead node"),
+    ("--stall-timeout", _seconds, 30.0, "SECONDS",
+     "a decode node whose started streams all sent nothing for this long is hung: those "
+     "streams end with an error and it gets no new requests for as long; 0 turns it off"),
     ("--admin-token", str, None, "TOKEN",
      "enable /admin/* behind this bearer token (off when unset)"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
@@ -175,6 +181,7 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         admin_token=args.admin_token,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
+        stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
     )
     config = uvicorn.Config(

@@ -49,6 +49,8 @@ class EngineConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
         self._buffered = 0
+        # Body bytes received over the connection's life (progress, for the stall watch).
+        self.received = 0
         self._paused = False
         self._keep_alive = False
         self._framed = False  # Content-Length or chunked: the end is not the peer closing
@@ -113,6 +115,7 @@ class EngineConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
         self._buffered += len(body)
+        self.received += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
@@ -135,6 +138,11 @@ class EngineConnection(asyncio.Protocol):
             and self._transport is not None
             and not self._transport.is_closing()
         )
+
+    @property
+    def awaiting(self) -> bool:
+        """A reader waits for the engine (nothing it could take is buffered)."""
+        return self._waiter is not None
 
     def send(self, request: bytes) -> None:
         """Write one request; the previous answer, if any, was read to its end."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from .nodes import Evidence
+
 
 class RouterError(Exception):
     """A failure with an HTTP status and an OpenAI error body."""
@@ -76,13 +78,13 @@ class QueueTimeout(Busy):
 class UpstreamError(RouterError):
     """An engine failed or answered with an error; its status is passed on when it has one.
 
-    ``kind`` says what went wrong, for metrics and for the node's health: ``unreachable``,
-    ``connect_timeout``, ``timeout``, ``broken_stream``, ``http_4xx``, ``http_5xx`` or
-    ``protocol`` (and ``node_dead``: another request found the engine dead). Anything but
-    an ``http_4xx`` (the request's fault, not the engine's) counts against the node, and
-    ``unreachable`` (connection refused) marks it dead at once. ``connect_timeout`` counts
-    as an ordinary failure: a full accept queue also looks like that, and the streams the
-    engine already serves may be fine.
+    ``kind`` says what went wrong, for metrics and for the node's health (``evidence``):
+    ``unreachable`` (connection refused: fatal, the node is dead at once),
+    ``broken_stream`` and ``protocol`` (hard), ``http_5xx`` and ``connect_timeout`` (soft:
+    a full accept queue also looks like a connect timeout, and the streams the engine
+    already serves may be fine), and, saying nothing against the node: ``http_4xx`` (the
+    request's fault), ``timeout`` (the request's own outcome, 504), ``stalled`` (the stall
+    watch ended it) and ``node_dead`` (another request found the engine dead).
     """
 
     type = "upstream_error"
@@ -99,10 +101,7 @@ class UpstreamError(RouterError):
         self.status = status
         self.code = code
         self.kind = kind
-
-    @property
-    def unreachable(self) -> bool:
-        return self.kind == "unreachable"
+        self.outcome = _OUTCOMES.get(kind)
 
     @property
     def undelivered(self) -> bool:
@@ -111,7 +110,23 @@ class UpstreamError(RouterError):
 
     @property
     def engine_fault(self) -> bool:
+        """Worth another engine (prefill retries once): anything but the request's fault."""
         return self.kind != "http_4xx"
+
+    @property
+    def evidence(self) -> Evidence | None:
+        """What this says against the engine; None: nothing."""
+        return _EVIDENCE.get(self.kind)
+
+
+_EVIDENCE = {
+    "unreachable": Evidence.FATAL,
+    "broken_stream": Evidence.HARD,
+    "protocol": Evidence.HARD,
+    "http_5xx": Evidence.SOFT,
+    "connect_timeout": Evidence.SOFT,
+}
+_OUTCOMES = {"timeout": "timeout", "stalled": "stalled", "node_dead": "node_dead"}
 
 
 def upstream_message(status: int, raw: bytes) -> str:
@@ -147,8 +162,6 @@ class ShuttingDown(Unavailable):
 
 class NodeDead(UpstreamError):
     """The request's engine was found dead; it fails the requests bound to it, and only them."""
-
-    outcome = "node_dead"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=502, code="node_dead", kind="node_dead")

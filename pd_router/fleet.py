@@ -7,20 +7,22 @@ requests in flight.
 
 A node's death fails exactly the requests bound to it, each through its own handle, once;
 nothing else is touched. The request whose own attempt showed the node dead is spared: it
-already has its error, and goes to another node if the engine never got it. Failing is
-synchronous: each request is cancelled and sends its own one terminal error from its own
-cleanup point.
+already has its error, and goes to another node if the engine never got it. A node found
+unhealthy (slow, erroring) only stops getting new requests; a stalled one also ends its
+silent streams, and only those. Failing is synchronous: each request is cancelled and
+sends its own one terminal error from its own cleanup point.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from .errors import NodeDead, RouterError, Unavailable
-from .nodes import HealthPolicy, Node, Role, RoundRobin, State
+from .errors import NodeDead, RouterError, Unavailable, UpstreamError
+from .nodes import Failure, HealthPolicy, Node, Role, RoundRobin, State
 from .pool import DecodePool
 
 log = logging.getLogger("pd_router.fleet")
@@ -35,20 +37,42 @@ class Handle(Protocol):
         """End the request with ``error`` as its one terminal outcome (idempotent)."""
 
 
+class Progress(Protocol):
+    """A started stream, as the stall watch sees it (``stall.py``)."""
+
+    @property
+    def received(self) -> int:
+        """Bytes received from the engine so far."""
+
+    @property
+    def awaiting(self) -> bool:
+        """The relay is waiting for the engine's next bytes (not busy with its client)."""
+
+
 class Binding:
-    __slots__ = ("handle", "prefill", "decode")
+    __slots__ = ("handle", "prefill", "decode", "stream", "seen", "silent")
 
     def __init__(self, handle: Handle, decode: Node) -> None:
         self.handle = handle
         self.decode = decode
         self.prefill: Node | None = None
+        # Set once the decode engine's stream has started (it has the KV): the stall watch
+        # looks at these only. ``seen`` and ``silent`` are the watch's own bookkeeping.
+        self.stream: Progress | None = None
+        self.seen = 0
+        self.silent = 0.0
 
 
 class Fleet:
     def __init__(
-        self, prefill: list[Node], decode: list[Node], policy: HealthPolicy | None = None
+        self,
+        prefill: list[Node],
+        decode: list[Node],
+        policy: HealthPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy or HealthPolicy()
+        self.clock = clock
         self.prefill = RoundRobin(prefill)
         self.pool = DecodePool(decode)
         self.bindings: dict[str, Binding] = {}
@@ -62,8 +86,12 @@ class Fleet:
         return next((node for node in self.nodes if node.id == node_id), None)
 
     def serving_view(self) -> list[int]:
-        """Original nodes minus dead minus draining: what new requests can land on."""
-        return [node.id for node in self.nodes if node.serving]
+        """Original nodes minus dead minus draining minus unhealthy (unless none of a role is
+        serving): what new requests can land on."""
+        prefill, pool = self.prefill, self.pool
+        return [node.id for node in prefill.nodes if node.state in prefill.usable] + [
+            node.id for node in pool.nodes if node.state in pool.usable
+        ]
 
     # Bindings
 
@@ -103,28 +131,70 @@ class Fleet:
         if node is not None:
             node.bound.add(rid)
 
-    # What the prober and the relay saw
+    # What the prober, the relay and the stall watch saw
 
-    def failed(
-        self, node: Node, error: str, *, fatal: bool = False, reporter: Handle | None = None
-    ) -> None:
+    def failed(self, node: Node, failure: Failure, *, reporter: Handle | None = None) -> None:
         """``reporter``, the request that saw the failure, already has its own error and
         deals with it (a request the engine never got goes to another node): the node's
         death does not fail it."""
-        if node.failed(error, self.policy, fatal=fatal):
-            message = f"{node.role} node {node.id} ({node.url}) is dead: {error}"
+        state = node.failed(failure, self.policy)
+        if state is State.DEAD:
+            message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
             failing = self.fail_bound(node, NodeDead(message), spare=reporter)
             log.warning("%s; failing its %d requests", message, failing)
-            self._decode_changed()
+        elif state is State.UNHEALTHY:
+            log.warning(
+                "%s node %s (%s) is unhealthy: %s; no new requests, its %d in flight continue",
+                node.role,
+                node.id,
+                node.url,
+                failure.message,
+                len(node.bound),
+            )
+        if state is not None:
+            self._changed()
 
-    def succeeded(self, node: Node) -> None:
-        if node.succeeded(self.policy):
+    def served(self, node: Node) -> None:
+        """A real request on ``node`` succeeded."""
+        node.served()
+
+    def probed(self, node: Node) -> None:
+        """A good health probe."""
+        if node.probed(self.policy, self.clock()):
             log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
-            self.pool.wake()
+            self._changed()
 
-    def _decode_changed(self) -> None:
-        """No decode node takes new requests any more: queued waiters are told at once."""
-        if not any(node.serving for node in self.pool.nodes):
+    def stalled(self, node: Node, silent: list[Binding], seconds: float, hold: float) -> None:
+        """Every started stream on ``node`` has been silent ``seconds``: each gets one
+        terminal error, and the node takes no new requests for at least ``hold`` s."""
+        if node.stalled(seconds, self.clock() + hold):
+            self._changed()
+        error = UpstreamError(
+            f"decode engine {node.url}: stalled: no token for {seconds:.0f} s",
+            status=504,
+            code="stalled",
+            kind="stalled",
+        )
+        log.warning(
+            "%s node %s (%s) stalled: no byte for %.0f s on any of its %d started streams; "
+            "ending them, no new requests for at least %.0f s",
+            node.role,
+            node.id,
+            node.url,
+            seconds,
+            len(silent),
+            hold,
+        )
+        for binding in silent:
+            binding.handle.fail(error)
+
+    def _changed(self) -> None:
+        """A node's state changed: what new requests may land on, and the queue, follow."""
+        self.prefill.refresh()
+        self.pool.refresh()
+        if self.pool.live:
+            self.pool.wake()
+        else:
             self.pool.fail_waiters(Unavailable("no live decode node"))
 
     def fail_bound(self, node: Node, error: RouterError, spare: Handle | None = None) -> int:
@@ -141,26 +211,25 @@ class Fleet:
     def add(self, url: str, role: Role, slots: int) -> Node:
         node = Node(id=self._next_id, url=url, slots=slots, role=role)
         self._next_id += 1
-        if role == "decode":
-            self.pool.nodes.append(node)
-            self.pool.wake()
-        else:
-            self.prefill.nodes.append(node)
+        (self.pool.nodes if role == "decode" else self.prefill.nodes).append(node)
+        self._changed()
         return node
 
     def drain(self, node: Node) -> None:
-        if node.state is State.SERVING:
+        if node.state in (State.SERVING, State.UNHEALTHY):
             node.state = State.DRAINING
-            self._decode_changed()
+            node.reason = "drained"
+            self._changed()
 
     def remove(self, node: Node, *, force: bool = False) -> None:
         """Forget a drained (or dead) node; ``force`` fails its bound requests first."""
         if node.bound and not force:
             raise ValueError(f"node {node.id} still has {len(node.bound)} requests in flight")
-        if node.state is State.SERVING and not force:
-            raise ValueError(f"node {node.id} is serving: drain it first")
+        if node.state in (State.SERVING, State.UNHEALTHY) and not force:
+            raise ValueError(f"node {node.id} is {node.state.value}: drain it first")
         node.state = State.DEAD
+        node.reason = "removed"
         self.fail_bound(node, NodeDead(f"{node.role} node {node.id} ({node.url}) was removed"))
         group = self.pool.nodes if node.role == "decode" else self.prefill.nodes
         group.remove(node)
-        self._decode_changed()
+        self._changed()

@@ -1,28 +1,97 @@
-"""The prober: GET /health on every node, every ``interval`` seconds, each bounded by
-``timeout``. What it sees goes to the fleet, which decides what a node's state becomes."""
+"""Liveness at run time: the prober, the stall watch, and the supervision of every task
+that lives as long as the app.
+
+The prober GETs every node's ``/health`` every ``interval`` seconds, each bounded by
+``timeout``; the stall watch looks at the streams' progress every tick (``stall.py``).
+Both report to the fleet, which decides what a node's state becomes (``nodes.py``).
+Nothing here may end for good: an error probing one node counts against that node only,
+and a task that fails anyway is restarted with a log line.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+
 import anyio
 
+from . import stall
 from .fleet import Fleet
-from .nodes import Node
+from .lag import LoopLag
+from .nodes import Evidence, Failure, Node
 from .upstream import Upstream
 
+log = logging.getLogger("pd_router.health")
 
-async def probe_forever(fleet: Fleet, upstream: Upstream, interval: float, timeout: float) -> None:
+# A probe that timed out while the router's own loop ran this late (as a share of the
+# probe's timeout) proves nothing about the engine: it is void.
+VOID_LAG_SHARE = 0.25
+
+
+async def probe_forever(
+    fleet: Fleet, upstream: Upstream, interval: float, timeout: float, lag: LoopLag
+) -> None:
     while True:
         async with anyio.create_task_group() as tg:
             for node in fleet.nodes:
-                tg.start_soon(_probe, fleet, upstream, node, timeout)
+                tg.start_soon(_probe, fleet, upstream, node, timeout, lag)
         await anyio.sleep(interval)
 
 
-async def _probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float) -> None:
-    problem = await upstream.probe(node.url + "/health", timeout)
+async def _probe(
+    fleet: Fleet, upstream: Upstream, node: Node, timeout: float, lag: LoopLag
+) -> None:
+    started = anyio.current_time()
+    try:
+        failure = await upstream.probe(node.url + "/health", timeout)
+    except Exception as exc:
+        log.exception(
+            "probing %s node %s (%s) failed inside the router", node.role, node.id, node.url
+        )
+        failure = Failure(
+            "probe error", f"health check failed in the router: {exc!r}", Evidence.SOFT
+        )
     if node not in fleet.nodes:
         return  # removed while the probe was out
-    if problem is None:
-        fleet.succeeded(node)
-    else:
-        fleet.failed(node, problem)
+    if failure is None:
+        fleet.probed(node)
+        return
+    if failure.kind == "probe timeout":
+        late = lag.worst_since(started, anyio.current_time())
+        if late >= timeout * VOID_LAG_SHARE:
+            log.info(
+                "probe of %s node %s (%s) void: the router's own loop ran %.1f s late",
+                node.role,
+                node.id,
+                node.url,
+                late,
+            )
+            return
+    fleet.failed(node, failure)
+
+
+async def watch_stalls(fleet: Fleet, timeout: float) -> None:
+    """End the silent streams of hung decode nodes; see ``stall.py``."""
+    tick = min(1.0, timeout / 4)
+    last = anyio.current_time()
+    while True:
+        await anyio.sleep(tick)
+        now = anyio.current_time()
+        # Time the loop lost to its own stall is nobody's silence.
+        elapsed, last = min(now - last, 2 * tick), now
+        for node, silent in stall.hung(fleet.bindings.values(), elapsed, timeout).items():
+            seconds = max(binding.silent for binding in silent)
+            fleet.stalled(node, silent, seconds, hold=timeout)
+
+
+async def supervise(
+    name: str, task: Callable[[], Awaitable[None]], restart_after: float = 1.0
+) -> None:
+    """Run ``task`` until it returns; if it fails, log it and start it again."""
+    while True:
+        try:
+            await task()
+            return
+        except Exception:
+            log.exception("%s failed; restarting it in %g s", name, restart_after)
+        await anyio.sleep(restart_after)

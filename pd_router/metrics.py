@@ -37,6 +37,8 @@ OUTCOMES = (
     "aborted",
     "shutting_down",
     "bad_request",
+    "timeout",
+    "stalled",
     "internal_error",
 )
 
@@ -169,6 +171,11 @@ class _StateCollector(Collector):
         state = GaugeMetricFamily(
             "pd_router_node_state", "1 for the state each node is in.", labels=[*labels, "state"]
         )
+        reason = GaugeMetricFamily(
+            "pd_router_node_reason",
+            "1 for why a node is not serving: the evidence (probe timeout, stalled, ...).",
+            labels=[*labels, "reason"],
+        )
         failures = GaugeMetricFamily(
             "pd_router_node_consecutive_failures", "Failures in a row per node.", labels=labels
         )
@@ -179,9 +186,12 @@ class _StateCollector(Collector):
             failures.add_metric(values, node.failures)
             for each in State:
                 state.add_metric([*values, each.value], float(node.state is each))
+            if node.reason is not None:
+                reason.add_metric([*values, node.reason], 1.0)
         yield slots
         yield in_use
         yield state
+        yield reason
         yield failures
         for histogram in self._telemetry.histograms:
             yield histogram.family()

@@ -1,16 +1,24 @@
 """Engine nodes: identity, state and health bookkeeping, and how they are named on the CLI.
 
-No I/O here: the prober and the relay report what they saw, and a node's state follows
-from it by the rules below.
+No I/O here: the prober, the relay and the stall watch report what they saw, and a node's
+state follows from it by the rules below. Slow is not dead: two verdicts, two consequences.
 
-* ``serving``: picked for new requests. ``draining``: keeps its in-flight requests, gets no
-  new ones. ``dead``: picked by nothing; its requests have been failed, except the one that
-  found it dead, which handles its own error.
-* A node dies after ``unhealthy_after`` consecutive failures (probes or real requests), or
-  at once when a real request finds it refusing connections. It is readmitted after
-  ``healthy_after`` consecutive successful probes.
-* Only the engine's own failures count: a 4xx answer, a client hang-up or a request the
-  router cancelled says nothing about the node.
+* ``serving``: picked for new requests. ``unhealthy``: no new requests (unless no node at
+  all is serving, see ``pool.py``), and what runs on it continues. ``draining``: keeps its
+  in-flight requests, gets no new ones. ``dead``: picked by nothing; its requests have been
+  failed, except the one that found it dead, which handles its own error.
+* Evidence decides which. *Soft* failures (a probe that timed out or answered non-200, a
+  5xx answer, a connect timeout) make a node unhealthy after ``unhealthy_after`` in a row,
+  never dead. *Hard* failures (the engine reset or broke a connection, sent invalid HTTP,
+  or refused a probe) make it dead after ``unhealthy_after`` in a row; a real request
+  refused (*fatal*) makes it dead at once. A request timeout is the request's own outcome
+  and no failure of the node's; neither is a 4xx answer, a client hang-up or a request the
+  router cancelled.
+* A stall (every started stream on the node silent for ``--stall-timeout`` while nothing
+  else says it is dead) makes it unhealthy and holds it there for ``hold`` seconds: its
+  ``/health`` still answers 200, so only time can show it serves again.
+* An unhealthy or dead node is readmitted after ``healthy_after`` good probes in a row
+  (and not before its hold ends). A real request that succeeds resets the failure streaks.
 """
 
 from __future__ import annotations
@@ -27,8 +35,27 @@ Role = Literal["prefill", "decode"]
 
 class State(str, Enum):
     SERVING = "serving"
+    UNHEALTHY = "unhealthy"
     DRAINING = "draining"
     DEAD = "dead"
+
+
+class Evidence(Enum):
+    """How much a failure says about the node (see the module docstring)."""
+
+    SOFT = "soft"
+    HARD = "hard"
+    FATAL = "fatal"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What was seen: ``kind`` is a short name from a fixed set (a metric label: "probe
+    timeout", "refused", "stalled"...), ``message`` the whole story."""
+
+    kind: str
+    message: str
+    evidence: Evidence
 
 
 @dataclass(frozen=True)
@@ -48,9 +75,16 @@ class Node:
     # Owned by the pool: how many of ``slots`` are reserved right now.
     in_use: int = 0
     state: State = State.SERVING
+    # Failures in a row (any), hard ones in a row, good probes in a row.
     failures: int = 0
+    hard_failures: int = 0
     successes: int = 0
     last_error: str | None = None
+    # Why the node is not serving, from a fixed set ("probe timeout", "stalled", "refused"...);
+    # None while it serves. ``last_error`` has the details.
+    reason: str | None = None
+    # A stalled node is not readmitted before this (monotonic seconds).
+    hold_until: float = 0.0
     # Request ids bound to this node right now (the fleet keeps this in step).
     bound: set[str] = field(default_factory=set)
     # The operator's own tags (zone, GPU type...): shown, never used to route.
@@ -64,24 +98,50 @@ class Node:
     def serving(self) -> bool:
         return self.state is State.SERVING
 
-    def failed(self, error: str, policy: HealthPolicy, *, fatal: bool = False) -> bool:
-        """Count a failure; True when this made the node dead."""
+    def failed(self, failure: Failure, policy: HealthPolicy) -> State | None:
+        """Count a failure; the node's new state when this changed it."""
         self.failures += 1
         self.successes = 0
-        self.last_error = error
-        if self.state is State.DEAD or (not fatal and self.failures < policy.unhealthy_after):
+        self.last_error = failure.message
+        if failure.evidence is not Evidence.SOFT:
+            self.hard_failures += 1
+        if self.state is State.DEAD:
+            return None
+        if failure.evidence is Evidence.FATAL or self.hard_failures >= policy.unhealthy_after:
+            return self._become(State.DEAD, failure.kind)
+        if self.state is State.SERVING and self.failures >= policy.unhealthy_after:
+            return self._become(State.UNHEALTHY, failure.kind)
+        return None
+
+    def stalled(self, seconds: float, hold_until: float) -> bool:
+        """Every started stream went silent: True when this made the node unhealthy."""
+        self.last_error = f"stalled {seconds:.0f} s: no byte from any of its started streams"
+        self.hold_until = max(self.hold_until, hold_until)
+        self.successes = 0
+        if self.state is not State.SERVING:
             return False
-        self.state = State.DEAD
+        self._become(State.UNHEALTHY, "stalled")
         return True
 
-    def succeeded(self, policy: HealthPolicy) -> bool:
-        """Count a success; True when this readmitted a dead node."""
-        self.failures = 0
+    def served(self) -> None:
+        """A real request succeeded: the failure streaks end (readmission is the prober's)."""
+        self.failures = self.hard_failures = 0
+
+    def probed(self, policy: HealthPolicy, now: float) -> bool:
+        """A good probe; True when this readmitted an unhealthy or dead node."""
+        self.served()
         self.successes += 1
-        if self.state is not State.DEAD or self.successes < policy.healthy_after:
+        if self.state not in (State.UNHEALTHY, State.DEAD):
             return False
-        self.state = State.SERVING
+        if self.successes < policy.healthy_after or now < self.hold_until:
+            return False
+        self._become(State.SERVING, None)
         return True
+
+    def _become(self, state: State, reason: str | None) -> State:
+        self.state = state
+        self.reason = reason
+        return state
 
 
 @dataclass(frozen=True)
@@ -133,12 +193,34 @@ def parse_spec(spec: str) -> NodeSpec:
     return NodeSpec(normalise_url(url, spec), slots)
 
 
+_USERINFO = re.compile(r"//[^/@]*@")
+
+
 def normalise_url(url: str, spec: str | None = None) -> str:
-    """``http(s)://host:port[/path]`` without a trailing slash; anything else is refused."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        shown = url if spec is None else spec
+    """``http(s)://host[:port][/path]`` without a trailing slash; anything else is refused.
+
+    Refused too: non-ASCII, spaces and control characters (they would be sent in a request
+    line), a port outside 1-65535, credentials (they would show in logs and metrics), a
+    query or a fragment (the router appends the API's paths).
+    """
+    # Credentials are refused, and not even the refusal may print them.
+    shown = _USERINFO.sub("//***@", url if spec is None else spec)
+    text = url.strip()
+    if not text.isascii() or not text.isprintable() or any(c.isspace() for c in text):
+        raise ValueError(f"{shown!r}: a URL must be ASCII, with no spaces or control characters")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{shown!r}: expected an http(s)://host:port URL")
+    if "@" in parts.netloc:
+        raise ValueError(f"{shown!r}: credentials in an engine URL are not supported")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"{shown!r}: the port must be a whole number from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{shown!r}: an engine URL takes no query or fragment")
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
 
 
@@ -169,15 +251,28 @@ def make_nodes(
     return nodes
 
 
+def usable(nodes: Sequence[Node]) -> tuple[State, ...]:
+    """The states new requests may land on: serving ones; unhealthy ones too while none is
+    serving, as a slow engine serves better than a 503 (Envoy's "panic" routing)."""
+    if any(node.state is State.SERVING for node in nodes):
+        return (State.SERVING,)
+    return (State.SERVING, State.UNHEALTHY)
+
+
 class RoundRobin:
-    """Prefill nodes in turn, over those serving: prefill is short and keeps no state."""
+    """Prefill nodes in turn, over those usable: prefill is short and keeps no state."""
 
     def __init__(self, nodes: Sequence[Node]) -> None:
         self.nodes = list(nodes)
         self._next = 0
+        self.usable = usable(self.nodes)
+
+    def refresh(self) -> None:
+        """A node's state changed."""
+        self.usable = usable(self.nodes)
 
     def pick(self, avoid: Node | None = None) -> Node | None:
-        live = [node for node in self.nodes if node.serving and node is not avoid]
+        live = [node for node in self.nodes if node.state in self.usable and node is not avoid]
         if not live:
             return None
         node = live[self._next % len(live)]

@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 import anyio
 
 from .errors import Busy, QueueTimeout, RouterError, Unavailable
-from .nodes import Node
+from .nodes import Node, usable
 
 
 class Reservation:
@@ -61,6 +61,8 @@ class _Waiter:
 class DecodePool:
     def __init__(self, nodes: Sequence[Node]) -> None:
         self.nodes = list(nodes)
+        # The states a new request may land on (``nodes.usable``); the fleet refreshes it.
+        self.usable = usable(self.nodes)
         self._waiters: deque[_Waiter] = deque()
         self._next = 0
         self.acquired = 0
@@ -77,7 +79,16 @@ class DecodePool:
     @property
     def capacity(self) -> int:
         """Slots on the nodes that take new requests."""
-        return sum(node.slots for node in self.nodes if node.serving)
+        return sum(node.slots for node in self.nodes if node.state in self.usable)
+
+    @property
+    def live(self) -> bool:
+        """Some node takes new requests (when its slots free up)."""
+        return any(node.state in self.usable for node in self.nodes)
+
+    def refresh(self) -> None:
+        """A node's state changed, or nodes came or went."""
+        self.usable = usable(self.nodes)
 
     def try_acquire(self, avoid: Node | None = None) -> Reservation | None:
         """A slot now, on any node but ``avoid``, or None. Never overtakes a waiter."""
@@ -99,7 +110,7 @@ class DecodePool:
         reservation = self.try_acquire()
         if reservation is not None:
             return reservation
-        if not any(node.serving for node in self.nodes):
+        if not self.live:
             raise Unavailable("no live decode node")
         if timeout <= 0:
             raise Busy("all decode nodes busy")
@@ -131,7 +142,8 @@ class DecodePool:
             reservation.release()
 
     def wake(self) -> None:
-        """Slots appeared (a node was added or readmitted): serve waiters, oldest first."""
+        """Slots may have appeared (a node was added or readmitted): serve waiters, oldest
+        first."""
         while self._waiters:
             node = self._pick()
             if node is None:
@@ -147,12 +159,13 @@ class DecodePool:
             waiter.event.set()
 
     def _pick(self, avoid: Node | None = None) -> Node | None:
-        """The serving node with the most free slots; ties go round robin to spread load."""
+        """The usable node with the most free slots; ties go round robin to spread load."""
         best: Node | None = None
         count = len(self.nodes)
+        accept = self.usable
         for offset in range(count):
             node = self.nodes[(self._next + offset) % count]
-            if node is avoid or not node.serving or node.free <= 0:
+            if node is avoid or node.state not in accept or node.free <= 0:
                 continue
             if best is None or node.free > best.free:
                 best = node
@@ -166,7 +179,7 @@ class DecodePool:
 
     def _hand_over(self, node: Node) -> None:
         """A slot on ``node`` is done with: to the first waiter, else back to the node."""
-        if self._waiters and node.serving:
+        if self._waiters and node.state in self.usable:
             self._grant(self._waiters.popleft(), node)
         else:
             node.in_use -= 1

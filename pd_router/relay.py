@@ -39,7 +39,7 @@ from . import handshake, logs
 from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError
 from .fleet import Binding, Fleet
 from .metrics import Telemetry, Timings
-from .nodes import Node
+from .nodes import Failure, Node
 from .pool import Reservation
 from .response import ClientStream
 from .sse import EventRelay, patch_usage
@@ -235,12 +235,13 @@ class Relay:
             if answer.status != 200:
                 raise await answer.error()
             if self.stream:
+                binding.stream = answer  # started: the stall watch looks at it from now on
                 await self._relay_events(client, answer, prefilled, first)
             else:
                 await self._relay_json(client, answer, prefilled)
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
-        self.router.fleet.succeeded(node)
+        self.router.fleet.served(node)
         self.outcome = "ok"
 
     async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
@@ -257,7 +258,7 @@ class Relay:
         self._reservation.release()
         other = pool.try_acquire(avoid=first)
         if other is None:
-            if not any(node.serving for node in pool.nodes):
+            if not pool.live:
                 raise Unavailable("no live decode node")
             raise unreached
         self._reservation = other
@@ -309,7 +310,7 @@ class Relay:
                 answer.close()
         finally:
             fleet.set_prefill(binding, None)
-        fleet.succeeded(node)
+        fleet.served(node)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
@@ -360,9 +361,10 @@ class Relay:
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
             self.router.telemetry.upstream_error(node, error.kind)
-            if error.engine_fault:
-                fleet = self.router.fleet
-                fleet.failed(node, error.message, fatal=error.unreachable, reporter=self)
+            evidence = error.evidence
+            if evidence is not None:
+                failure = Failure(error.kind.replace("_", " "), error.message, evidence)
+                self.router.fleet.failed(node, failure, reporter=self)
         return UpstreamError(
             f"{node.role} engine {error.message}",
             status=error.status,

@@ -43,6 +43,8 @@ class NodeRow:
     labels: dict[str, str] | None = None
     requests: int | None = None
     last_error: str | None = None
+    # Why it is not serving ("probe timeout", "stalled", "refused"...), when it is not.
+    reason: str | None = None
 
 
 @dataclass
@@ -78,6 +80,8 @@ def from_metrics(text: str) -> Snapshot:
                     row.failures = int(value)
                 elif name == "pd_router_node_state" and value == 1:
                     row.state = labels["state"]
+                elif name == "pd_router_node_reason" and value == 1:
+                    row.reason = labels["reason"]
     if not seen_router:
         raise StatusError("its /metrics has no pd_router_queue_depth: is this a pd-router?")
     snapshot.nodes = sorted(rows.values(), key=lambda row: row.id)
@@ -99,6 +103,7 @@ def from_admin(document: Any) -> Snapshot:
                 labels={str(k): str(v) for k, v in node.get("labels", {}).items()},
                 requests=len(node["bound_requests"]),
                 last_error=node.get("last_error"),
+                reason=node.get("reason"),
             )
             for node in document["nodes"]
         ]
@@ -144,11 +149,17 @@ def format_table(snapshot: Snapshot, router: str) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [summary, ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
-    errors = [n for n in nodes if n.last_error and (n.state != "serving" or n.failures)]
-    if errors:
+    # Why a node is not serving (the evidence), and the last error of a failing one.
+    notes = [n for n in nodes if n.reason or (n.last_error and n.failures)]
+    if notes:
         lines.append("")
-        lines += [f"node {node.id} last error: {node.last_error}" for node in errors]
+        lines += [_note(node) for node in notes]
     return "\n".join(lines) + "\n"
+
+
+def _note(node: NodeRow) -> str:
+    why = f"node {node.id} {node.state} ({node.reason})" if node.reason else f"node {node.id}"
+    return f"{why} last error: {node.last_error}" if node.last_error else why
 
 
 def fetch(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:

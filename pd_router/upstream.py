@@ -13,6 +13,7 @@ request is to be aborted; a response read to its end goes back to the pool.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 import time
 from functools import lru_cache
@@ -23,6 +24,7 @@ import orjson
 
 from .connection import ConnectionLost, EngineConnection, ProtocolViolation, ReadTimeout
 from .errors import UpstreamError, upstream_message
+from .nodes import Evidence, Failure
 
 # Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
 # closes them after 5 s): reusing one the engine is closing would fail the request that
@@ -31,6 +33,7 @@ from .errors import UpstreamError, upstream_message
 KEEPALIVE_SECONDS = 4.0
 
 _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
+_LOCAL_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 Origin = tuple[str, int, bool]  # host, port, TLS
@@ -73,6 +76,16 @@ class Response:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def received(self) -> int:
+        """Bytes received on this connection so far: the stall watch's sign of progress."""
+        return self._conn.received
+
+    @property
+    def awaiting(self) -> bool:
+        """Someone waits for the engine's next bytes right now."""
+        return self._conn.awaiting
 
     def close(self) -> None:
         """Pool the connection if the answer was read to its end, else close it (the engine
@@ -131,17 +144,27 @@ class Upstream:
             url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
         )
 
-    async def probe(self, url: str, timeout: float) -> str | None:
+    async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
         try:
             async with asyncio.timeout(timeout):
                 with await self._request(url, b"GET") as response:
                     await response.read()
         except TimeoutError:
-            return f"health check failed: no answer within {timeout:g} s"
+            message = f"health check: no answer within {timeout:g} s"
+            return Failure("probe timeout", message, Evidence.SOFT)
         except UpstreamError as error:
-            return f"health check failed: {error.message}"
-        return None if response.status == 200 else f"health check answered {response.status}"
+            message = f"health check failed: {error.message}"
+            if error.kind == "unreachable":
+                return Failure("probe refused", message, Evidence.HARD)
+            if error.kind in ("broken_stream", "protocol"):
+                return Failure("probe broken", message, Evidence.HARD)
+            return Failure(
+                "probe timeout" if error.undelivered else "probe error", message, Evidence.SOFT
+            )
+        if response.status == 200:
+            return None
+        return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
 
     async def get_json(self, url: str) -> Any:
         with await self._request(url, b"GET") as response:
@@ -211,6 +234,11 @@ class Upstream:
             message = f"{url}: unreachable: connect timed out after {self.connect_timeout:g} s"
             raise UpstreamError(message, kind="connect_timeout") from None
         except OSError as exc:
+            if exc.errno in _LOCAL_ERRNOS:
+                # The router's own shortage (file descriptors, buffers): nothing about the
+                # engine, and another engine would fare no better.
+                message = f"{url}: the router cannot open a connection: {_describe(exc)}"
+                raise UpstreamError(message, status=503, kind="local") from None
             raise UpstreamError(
                 f"{url}: unreachable: {_describe(exc)}", kind="unreachable"
             ) from None
@@ -223,10 +251,14 @@ class Upstream:
 
 
 def _failure(context: str, exc: BaseException) -> UpstreamError:
-    kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
-    if isinstance(exc, ProtocolViolation):
-        kind = "protocol"
-    return UpstreamError(f"{context}: {_describe(exc)}", kind=kind)
+    message = f"{context}: {_describe(exc)}"
+    if isinstance(exc, TimeoutError):
+        # The request's own outcome (504), not a verdict on the engine: a long answer is
+        # not a failure, and a hung engine is the stall watch's to find.
+        return UpstreamError(message, status=504, code="timeout", kind="timeout")
+    return UpstreamError(
+        message, kind="protocol" if isinstance(exc, ProtocolViolation) else "broken_stream"
+    )
 
 
 def _describe(exc: BaseException) -> str:

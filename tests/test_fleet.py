@@ -1,5 +1,5 @@
-"""The live fleet's rules with no server, under asyncio and trio: bindings, death,
-readmission, drain and removal."""
+"""The live fleet's rules with no server, under asyncio and trio: bindings, the two
+verdicts (unhealthy, dead) and their evidence, readmission, drain and removal."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ import pytest
 
 from pd_router.errors import NodeDead, RouterError, Unavailable
 from pd_router.fleet import Fleet
-from pd_router.nodes import HealthPolicy, Node, State
+from pd_router.nodes import Evidence, Failure, HealthPolicy, Node, State
 
 pytestmark = pytest.mark.anyio
+
+REFUSED = Failure("unreachable", "connection refused", Evidence.FATAL)
+BROKEN = Failure("broken stream", "stream broken", Evidence.HARD)
+SLOW = Failure("probe timeout", "no answer within 1 s", Evidence.SOFT)
+HTTP_500 = Failure("http 5xx", "500", Evidence.SOFT)
 
 
 class Request:
@@ -40,8 +45,8 @@ async def test_a_dead_decode_node_fails_only_its_own_requests_once() -> None:
     d0 = fleet.pool.nodes[0]
     on_d0 = {r.request_id for r, res, _ in with_bindings if res.node is d0}
     assert len(on_d0) == 4 and d0.bound == on_d0
-    fleet.failed(d0, "refused", fatal=True)
-    fleet.failed(d0, "refused again", fatal=True)  # a second report changes nothing
+    fleet.failed(d0, REFUSED)
+    fleet.failed(d0, REFUSED)  # a second report changes nothing
     for request, reservation, binding in with_bindings:
         if request.request_id in on_d0:
             assert len(request.errors) == 1 and isinstance(request.errors[0], NodeDead)
@@ -59,17 +64,96 @@ async def test_a_dead_decode_node_fails_only_its_own_requests_once() -> None:
     assert fleet.serving_view() == [0, 2]
 
 
-async def test_failures_count_up_to_the_threshold_and_successes_reset_them() -> None:
+async def test_soft_failures_make_a_node_unhealthy_never_dead() -> None:
     fleet = make_fleet()
     node = fleet.pool.nodes[0]
-    fleet.failed(node, "500")
-    fleet.failed(node, "500")
-    fleet.succeeded(node)
-    fleet.failed(node, "500")
-    fleet.failed(node, "500")
+    fleet.failed(node, HTTP_500)
+    fleet.failed(node, HTTP_500)
+    fleet.served(node)  # a real request that succeeded ends the streak
+    fleet.failed(node, SLOW)
+    fleet.failed(node, SLOW)
     assert node.state is State.SERVING and node.failures == 2
-    fleet.failed(node, "timeout")
-    assert node.state is State.DEAD and node.last_error == "timeout"
+    fleet.failed(node, SLOW)
+    assert node.state is State.UNHEALTHY and node.reason == "probe timeout"
+    for _ in range(20):
+        fleet.failed(node, SLOW)
+    assert node.state is State.UNHEALTHY, "slow is not dead, however long"
+
+
+async def test_hard_failures_in_a_row_make_a_node_dead_and_a_refusal_at_once() -> None:
+    fleet = make_fleet(decode=3)
+    d0, d1, d2 = fleet.pool.nodes
+    fleet.failed(d0, BROKEN)
+    fleet.failed(d0, SLOW)  # soft failures do not end a streak of hard ones
+    fleet.failed(d0, BROKEN)
+    assert d0.state is State.UNHEALTHY  # three failures in a row, two of them hard
+    fleet.failed(d0, BROKEN)
+    assert d0.state is State.DEAD and d0.reason == "broken stream"
+    fleet.failed(d1, REFUSED)
+    assert d1.state is State.DEAD and d1.reason == "unreachable"
+    assert d2.state is State.SERVING
+
+
+async def test_an_unhealthy_node_keeps_its_requests_and_gets_no_new_ones() -> None:
+    fleet = make_fleet(decode=2, slots=4)
+    d0, d1 = fleet.pool.nodes
+    request = Request("running")
+    reservation = await fleet.pool.acquire(0)
+    assert reservation.node is d0
+    with fleet.bind(request, d0):
+        for _ in range(3):
+            fleet.failed(d0, SLOW)
+        assert d0.state is State.UNHEALTHY
+        assert request.errors == [], "unhealthy fails nothing"
+        for _ in range(4):
+            assert (await fleet.pool.acquire(0)).node is d1
+        assert fleet.serving_view() == [0, 2]
+    reservation.release()
+
+
+async def test_with_every_node_unhealthy_new_requests_still_go_to_them() -> None:
+    """A slow engine serves better than a 503: with no serving node of a role, the
+    unhealthy ones take new requests (never the dead or draining ones)."""
+    fleet = make_fleet(decode=2, slots=2)
+    d0, d1 = fleet.pool.nodes
+    prefill = fleet.prefill.nodes[0]
+    for node in (d0, d1, prefill):
+        for _ in range(3):
+            fleet.failed(node, SLOW)
+    assert {d0.state, d1.state, prefill.state} == {State.UNHEALTHY}
+    assert fleet.prefill.pick() is prefill
+    taken = [await fleet.pool.acquire(0) for _ in range(2)]
+    assert {r.node for r in taken} == {d0, d1}
+    fleet.failed(d0, REFUSED)
+    assert (await fleet.pool.acquire(0)).node is d1, "a dead node is never used"
+    fleet.probed(d1)
+    fleet.probed(d1)
+    assert d1.state is State.SERVING and fleet.serving_view() == [0, 2]
+    fleet.probed(prefill)
+    fleet.probed(prefill)
+    assert fleet.prefill.pick() is prefill and prefill.state is State.SERVING
+
+
+async def test_a_stalled_node_fails_its_silent_streams_and_is_held_out() -> None:
+    now = [100.0]
+    prefill = [Node(id=0, url="http://p0", slots=1, role="prefill")]
+    decode = [Node(id=1, url="http://d0", slots=4), Node(id=2, url="http://d1", slots=4)]
+    fleet = Fleet(prefill, decode, HealthPolicy(3, 2), clock=lambda: now[0])
+    d0 = decode[0]
+    stalled, waiting = Request("stalled"), Request("waiting for its KV")
+    with fleet.bind(stalled, d0) as silent, fleet.bind(waiting, d0):
+        fleet.stalled(d0, [silent], 42.0, hold=30.0)
+        assert [e.code for e in stalled.errors] == ["stalled"] and waiting.errors == []
+        assert stalled.errors[0].status == 504 and "42 s" in stalled.errors[0].message
+    assert d0.state is State.UNHEALTHY and d0.reason == "stalled"
+    assert d0.last_error is not None and d0.last_error.startswith("stalled 42 s")
+    # Its /health says 200 all along: good probes readmit it only after the hold.
+    for _ in range(5):
+        fleet.probed(d0)
+    assert d0.state is State.UNHEALTHY
+    now[0] += 30
+    fleet.probed(d0)
+    assert d0.state is State.SERVING
 
 
 async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() -> None:
@@ -89,7 +173,7 @@ async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() 
                 tg.start_soon(waiter)
             while fleet.pool.queue_depth < 3:
                 await anyio.sleep(0)
-            fleet.failed(fleet.pool.nodes[0], "refused", fatal=True)
+            fleet.failed(fleet.pool.nodes[0], REFUSED)
     assert len(failures) == 3 and all(e.status == 503 for e in failures)
     assert str(failures[0]) == "no live decode node"
     with pytest.raises(Unavailable):
@@ -101,7 +185,7 @@ async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() 
 async def test_a_readmitted_node_serves_the_queue() -> None:
     fleet = make_fleet(decode=2)
     d0, d1 = fleet.pool.nodes
-    fleet.failed(d0, "refused", fatal=True)
+    fleet.failed(d0, REFUSED)
     held = await fleet.pool.acquire(0)
     assert held.node is d1
     served: list[Node] = []
@@ -114,9 +198,9 @@ async def test_a_readmitted_node_serves_the_queue() -> None:
         tg.start_soon(waiter)
         while fleet.pool.queue_depth < 1:
             await anyio.sleep(0)
-        fleet.succeeded(d0)
+        fleet.probed(d0)
         assert d0.state is State.DEAD, "one probe is not enough"
-        fleet.succeeded(d0)
+        fleet.probed(d0)
         assert d0.state is State.SERVING
     assert served == [d0]
     held.release()

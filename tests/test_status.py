@@ -125,7 +125,7 @@ def test_status_with_admin_token_shows_labels_and_requests(
     busy = [cells for cells in table.values() if cells[3] == "1/8" or cells[3] == "1/4"]
     assert len(busy) == 1 and busy[0][5] == "1"  # its REQUESTS column
     assert "1 in flight" in done.stdout and "decode slots 1/16 in use" in done.stdout
-    assert "node 3 last error:" in done.stdout
+    assert "node 3 dead (probe refused) last error: health check failed:" in done.stdout
     router.assert_idle()
 
 
@@ -173,21 +173,36 @@ def test_format_table() -> None:
             NodeRow(0, "prefill", "http://p0:8100", "serving", 1, 0, 0, labels={"zone": "a"}),
             NodeRow(1, "decode", "http://d0:8200", "draining", 8, 3, 0, {"gpu": "h100"}, 3),
             NodeRow(2, "decode", "http://d1:8200", "dead", 4, 0, 5, {}, 0, "connection refused"),
+            NodeRow(
+                3,
+                "decode",
+                "http://d2:8200",
+                "unhealthy",
+                4,
+                1,
+                0,
+                {},
+                1,
+                "stalled 42 s: ...",
+                reason="stalled",
+            ),
         ],
         queue_depth=2,
         in_flight=3,
         shutting_down=False,
     )
     assert format_table(snapshot, "http://r:8000") == (
-        "pd-router http://r:8000: 1 of 3 nodes serving, decode slots 3/12 in use, "
+        "pd-router http://r:8000: 1 of 4 nodes serving, decode slots 4/16 in use, "
         "2 queued, 3 in flight\n"
         "\n"
-        "ID  ROLE     STATE     SLOTS  FAILURES  REQUESTS  URL             LABELS\n"
-        "0   prefill  serving   -      0         -         http://p0:8100  zone=a\n"
-        "1   decode   draining  3/8    0         3         http://d0:8200  gpu=h100\n"
-        "2   decode   dead      0/4    5         0         http://d1:8200\n"
+        "ID  ROLE     STATE      SLOTS  FAILURES  REQUESTS  URL             LABELS\n"
+        "0   prefill  serving    -      0         -         http://p0:8100  zone=a\n"
+        "1   decode   draining   3/8    0         3         http://d0:8200  gpu=h100\n"
+        "2   decode   dead       0/4    5         0         http://d1:8200\n"
+        "3   decode   unhealthy  1/4    0         1         http://d2:8200\n"
         "\n"
         "node 2 last error: connection refused\n"
+        "node 3 unhealthy (stalled) last error: stalled 42 s: ...\n"
     )
 
 

@@ -29,6 +29,7 @@ import trustme
 from pd_router import upstream as upstream_module
 from pd_router.connection import HIGH_WATER, EngineConnection
 from pd_router.errors import UpstreamError
+from pd_router.nodes import Evidence, Failure
 from pd_router.upstream import Response, Upstream
 
 pytestmark = pytest.mark.anyio
@@ -587,7 +588,7 @@ async def test_connection_refused_is_unreachable() -> None:
                 with await client.post(url, {}, "r"):
                     pass
     assert caught.value.kind == "unreachable"
-    assert caught.value.unreachable
+    assert caught.value.evidence is Evidence.FATAL
     assert caught.value.status == 502
     assert url in caught.value.message
 
@@ -814,7 +815,8 @@ async def test_probe_200_is_healthy_and_a_503_is_reported() -> None:
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         assert await client.probe(engine.url + "/health", 1.0) is None
-        assert await client.probe(engine.url + "/sick", 1.0) == "health check answered 503"
+        sick = await client.probe(engine.url + "/sick", 1.0)
+        assert sick == Failure("probe status", "health check answered 503", Evidence.SOFT)
     probe = engine.requests[0]
     assert probe.header(b"host") == f"{HOST}:{engine.port}".encode()
     assert probe.header(b"content-length") is None
@@ -830,7 +832,9 @@ async def test_probe_without_answer_in_time_reports_the_timeout() -> None:
         problem = await client.probe(engine.url + "/health", 0.2)
         assert time.monotonic() - started < 1.0
         await within(engine.connections[0].gone.wait())
-    assert problem == "health check failed: no answer within 0.2 s"
+    assert problem == Failure(
+        "probe timeout", "health check: no answer within 0.2 s", Evidence.SOFT
+    ), "slow: soft evidence, never enough for dead"
 
 
 async def test_probe_of_a_refused_port_reports_it() -> None:
@@ -838,8 +842,9 @@ async def test_probe_of_a_refused_port_reports_it() -> None:
         async with engine_client() as client:
             problem = await client.probe(f"http://{HOST}:{sock.getsockname()[1]}/health", 1.0)
     assert problem is not None
-    assert problem.startswith("health check failed:")
-    assert "unreachable" in problem
+    assert (problem.kind, problem.evidence) == ("probe refused", Evidence.HARD)
+    assert problem.message.startswith("health check failed:")
+    assert "unreachable" in problem.message
 
 
 # ---------------------------------------------------------------------------- transport

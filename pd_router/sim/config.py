@@ -33,12 +33,17 @@ class SimConfig:
     ``[DONE]`` (non-streaming: after generating that many tokens, mid-body); prefill cuts
     its response body whenever it is set, and pins nothing.
     ``fail_status``: answer every generation request with this status and an OpenAI error.
+    ``health_delay``: ``/health`` answers only after this long (a busy engine).
+    ``stall``: while true, decode streams send nothing more and ``/health`` still answers
+    200 (a hung scheduler, as vLLM's ``/health`` only reads an error flag).
     """
 
     prefill_delay: float = 0.0
     accept_delay: float = 0.0
     ttft: float = 0.0
     itl: float = 0.0
+    health_delay: float = 0.0
+    stall: bool = False
     default_max_tokens: int = 16
     fail_after_tokens: int | None = None
     fail_status: int | None = None
@@ -54,7 +59,7 @@ class SimConfig:
             setattr(self, key, value)
 
 
-_DELAYS = ("prefill_delay", "accept_delay", "ttft", "itl")
+_DELAYS = ("prefill_delay", "accept_delay", "ttft", "itl", "health_delay")
 
 
 def _count(value: object) -> int | None:
@@ -81,6 +86,10 @@ def _validate(key: str, value: object) -> object:
         status = _count(value)
         if value is not None and (status is None or not 400 <= status <= 599):
             raise ApiError(f"{key} must be an HTTP error status (400-599) or null", key)
+        return value
+    if key == "stall":
+        if not isinstance(value, bool):
+            raise ApiError(f"{key} must be true or false", key)
         return value
     if key == "fail_message":
         if value is not None and not isinstance(value, str):

@@ -184,6 +184,8 @@ class DecodeEngine(Engine):
             if i == fail_after:
                 return Outcome.CRASHED
             await anyio.sleep(self.config.ttft if i == 0 else self.config.itl)
+            while self.config.stall:
+                await anyio.sleep(0.05)
             finish = "length" if i == count - 1 else None
             text = token_text(tokens[i % len(tokens)])
             await exchange.send_body(self._event(job, created, text, finish, role=False), more=True)

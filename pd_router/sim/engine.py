@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import anyio
+
 from pd_router.sim.asgi import ApiError, Exchange, Receive, Scope, Send, SimulatedCrash
 from pd_router.sim.config import EngineSettings, SimConfig
 from pd_router.sim.tokens import PromptError, request_tokens
@@ -237,6 +239,7 @@ class Engine:
     # Operational endpoints.
 
     async def _health(self, exchange: Exchange) -> None:
+        await anyio.sleep(self.config.health_delay)
         await exchange.respond(200, {"status": "ok"})
 
     async def _models(self, exchange: Exchange) -> None:
