@@ -2,6 +2,9 @@
 
 What these tests prove, with the engines' own counters as the witness:
 
+* the first requests after the pair starts succeed with the router's default flags, though
+  the first NIXL handshake keeps the decode engine's /health slow (slow is not dead);
+
 * the decode engine used the KV the prefill engine computed: for every request through
   the router it counts one NIXL transfer and computes **no** prompt token itself (every
   prompt token came over NIXL or from its own prefix cache), while the prefill engine
@@ -311,6 +314,7 @@ def router(vllm_pair: VllmPair) -> Iterator[RouterProcess]:
         "--queue-timeout", "60",
         "--connect-timeout", "60",
         "--health-timeout", "60",
+        "--stall-timeout", "120",
         "--handoff-grace", str(HANDOFF_GRACE),
     )  # fmt: skip
     router.start()
@@ -341,6 +345,41 @@ def engines(vllm_pair: VllmPair, router: RouterProcess) -> Iterator[Engines]:
 def baseline(vllm_pair: VllmPair) -> openai.OpenAI:
     """The prefill engine answering alone (no kv_transfer_params): a plain engine."""
     return client_for(vllm_pair.baseline_url)
+
+
+# --------------------------------------------------------------------------------------
+# 0: the first requests after the pair starts (first NIXL handshake, ~18 s on this machine,
+#    during which the decode engine's /health does not answer within 1 s)
+# --------------------------------------------------------------------------------------
+
+
+def test_the_first_requests_after_the_pair_starts_succeed_with_default_flags(
+    vllm_pair: VllmPair,
+) -> None:
+    """Runs first: nothing has gone through the pair yet. A busy engine is slow, not dead:
+    its probes may time out and make it unhealthy, but no request in flight is failed,
+    and with no other node the unhealthy one still takes new requests."""
+    cases = [("completions", prompt(f"cold-{i}", words=10 + i), i % 2 == 1) for i in range(8)]
+
+    async def all_at_once(url: str) -> list[Answer]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT
+        )
+        try:
+            return await asyncio.gather(
+                *(ask_async(client, endpoint, text, 8, stream) for endpoint, text, stream in cases)
+            )
+        finally:
+            await client.close()
+
+    with RouterProcess(
+        [vllm_pair.prefill_url], [vllm_pair.decode_url], "--decode-slots", "8"
+    ) as router:
+        answers = asyncio.run(all_at_once(router.url))
+        assert [len(answer.token_ids) for answer in answers] == [8] * 8
+        assert outcomes(router, "ok") == 8
+        assert "is dead" not in router.log(), router.log()[-3000:]
+        router.assert_idle()
 
 
 # --------------------------------------------------------------------------------------
