@@ -140,7 +140,7 @@ class Fleet:
         state = node.failed(failure, self.policy)
         if state is State.DEAD:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
-            failing = self.fail_bound(node, NodeDead(message), spare=reporter)
+            failing = self.fail_bound(node, NodeDead(message), spare=reporter, spare_flowing=True)
             log.warning("%s; failing its %d requests", message, failing)
         elif state is State.UNHEALTHY:
             log.warning(
@@ -197,11 +197,24 @@ class Fleet:
         else:
             self.pool.fail_waiters(Unavailable("no live decode node"))
 
-    def fail_bound(self, node: Node, error: RouterError, spare: Handle | None = None) -> int:
+    def fail_bound(
+        self,
+        node: Node,
+        error: RouterError,
+        spare: Handle | None = None,
+        spare_flowing: bool = False,
+    ) -> int:
+        """Fail the requests bound to ``node`` but ``spare``; with ``spare_flowing``, also
+        spare the started streams whose bytes still flowed at the stall watch's last look:
+        a probe's verdict never ends a request whose own stream shows the engine at work
+        (an engine shutting down gracefully refuses new connections and finishes its
+        streams); if the engine is really gone, their connections break on their own."""
         failing = 0
         for rid in list(node.bound):
             binding = self.bindings.get(rid)
-            if binding is not None and binding.handle is not spare:
+            if binding is None or binding.handle is spare:
+                continue
+            if not spare_flowing or binding.stream is None or binding.silent > 0:
                 binding.handle.fail(error)
                 failing += 1
         return failing

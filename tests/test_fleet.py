@@ -245,3 +245,21 @@ async def test_reused_request_ids_get_a_suffix() -> None:
     with fleet.bind(Request("same"), reservation.node):
         assert fleet.unique_id("same") == "same.2"
     assert fleet.unique_id("same") == "same"
+
+
+async def test_a_death_spares_the_streams_still_flowing_on_the_node() -> None:
+    """Refused probes (an engine shutting down gracefully refuses new connections) never
+    end a stream whose bytes still flow: it ends on its own, whole or broken."""
+    fleet = make_fleet(decode=1, slots=4)
+    (d0,) = fleet.pool.nodes
+    flowing, silent, unstarted = Request("flowing"), Request("silent"), Request("no KV yet")
+    with fleet.bind(flowing, d0) as a, fleet.bind(silent, d0) as b, fleet.bind(unstarted, d0):
+        a.stream = b.stream = object()  # type: ignore[assignment]
+        b.silent = 3.0
+        for _ in range(3):
+            fleet.failed(d0, Failure("probe refused", "refused", Evidence.HARD))
+        assert d0.state is State.DEAD
+        assert flowing.errors == []
+        assert [type(e) for e in silent.errors + unstarted.errors] == [NodeDead, NodeDead]
+        fleet.remove(d0, force=True)  # an operator's forced removal spares nothing
+        assert len(flowing.errors) == 1
