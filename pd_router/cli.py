@@ -22,6 +22,7 @@ import uvicorn
 from . import config, logs
 from .app import MAX_BODY_BYTES, AppOptions, create_app
 from .fleet import Fleet
+from .head_limit import MAX_HEAD_BYTES, limited
 from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
 from .upstream import Upstream
@@ -63,6 +64,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "take the KV before the router drops the request"),
     ("--max-body-bytes", _positive, MAX_BODY_BYTES, "BYTES",
      "largest request body accepted (413 above)"),
+    ("--max-header-bytes", _positive, MAX_HEAD_BYTES, "BYTES",
+     "largest request line and headers accepted (431 above, and the connection closed)"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
     ("--health-timeout", _seconds, 1.0, "SECONDS",
@@ -190,6 +193,7 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
+        http=limited(args.max_header_bytes),
         # uvicorn's loggers go through ours, so --log-format applies to them too.
         log_config=None,
         # Hold idle client connections longer than clients keep them pooled (httpx and so

@@ -7,7 +7,9 @@ node's state as the admin API shows it."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -241,3 +243,58 @@ def test_an_engine_url_with_credentials_is_refused_at_start_without_printing_the
         assert "user:pw" not in router.log(), "credentials are never printed"
     finally:
         router.stop()
+
+
+def huge_head(router: RouterProcess, size: int) -> bytes:
+    """A request whose one header is ``size`` bytes, sent until the router stops reading;
+    what it answered, if anything arrived before the connection's end."""
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        chunk = b"x" * (1 << 20)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: ")
+            for _ in range(size // len(chunk)):
+                sock.sendall(chunk)
+        except OSError:
+            pass  # closed on us, as it should be
+        try:
+            return sock.recv(65536)
+        except OSError:
+            return b""
+
+
+def test_a_128_mib_header_is_refused_early_and_stalls_nobody(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        stream = Stream(router, "meanwhile", 100, "meanwhile")
+        stream.start()
+        wait_for(lambda: bool(stream.events), what="a stream")
+        started = time.monotonic()
+        answer = huge_head(router, 128 << 20)
+        assert time.monotonic() - started < 10, "refused before the whole header was read"
+        if answer:  # the 431 can be lost to the reset of a connection closed mid-upload
+            assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+            assert b'"code":"request_header_fields_too_large"' in answer
+        small = complete(router, "after the big one")
+        assert small.status_code == 200
+        stream.join(30)
+        assert stream.completed() and stream.text == echo("meanwhile", 100)
+        log = router.log()
+        assert "is unhealthy" not in log and "is dead" not in log
+        router.assert_idle()
+
+
+def test_a_head_just_under_the_limit_is_served_and_just_over_is_431(fleet: SimFleet) -> None:
+    with router_for(fleet, "--max-header-bytes", "4096") as router:
+        body = {"model": "sim-model", "prompt": "fits", "max_tokens": 2}
+        url = f"{router.url}/v1/completions"
+        fits = httpx.post(url, json=body, headers={"x-pad": "p" * 3500}, timeout=10)
+        assert fits.status_code == 200
+        over = httpx.post(url, json=body, headers={"x-pad": "p" * 5000}, timeout=10)
+        assert over.status_code == 431
+        assert over.json()["error"]["code"] == "request_header_fields_too_large"
+        # Keep-alive: many requests on one connection, each head counted on its own.
+        with httpx.Client(timeout=10) as client:
+            for i in range(20):
+                pad = {"x-pad": "p" * 3000}
+                assert client.post(url, json=body, headers=pad).status_code == 200
+        router.assert_idle()
