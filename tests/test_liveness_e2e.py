@@ -18,7 +18,8 @@ import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from tests.helpers import RouterProcess, wait_for
-from tests.test_fleet_e2e import TOKEN, Stream, admin, echo, node_states
+from tests.test_fleet_e2e import Stream, admin, echo, node_states
+from tests.test_fleet_e2e import router_for as fleet_router
 
 # Probes every 0.2 s, a probe slower than 0.3 s is a (soft) failure, 3 in a row make a node
 # unhealthy, 2 good ones readmit it.
@@ -26,18 +27,8 @@ PROBES = ("--health-interval", "0.2", "--health-timeout", "0.3", "--unhealthy-af
 
 
 def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
-    return RouterProcess(
-        [e.url for e in fleet.prefill],
-        [e.url for e in fleet.decode],
-        "--admin-token",
-        TOKEN,
-        "--decode-slots",
-        "8",
-        "--healthy-after",
-        "2",
-        *PROBES,
-        *args,
-    )
+    # The fleet tests' router (admin token, fast probes), with these probes: later flags win.
+    return fleet_router(fleet, "--decode-slots", "8", *PROBES, *args)
 
 
 def node_ids(router: RouterProcess) -> dict[str, int]:
