@@ -58,6 +58,13 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+class HeadTooLarge(BadRequest):
+    """A request line and headers over ``--max-header-bytes`` (``head_limit.py``)."""
+
+    status = 431
+    code = "request_header_fields_too_large"
+
+
 class Busy(RouterError):
     """No decode slot free and no queueing configured (fail fast)."""
 
@@ -165,6 +172,13 @@ class NodeDead(UpstreamError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=502, code="node_dead", kind="node_dead")
+
+
+class Stalled(UpstreamError):
+    """The stall watch found the request's decode engine hung (``stall.py``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=504, code="stalled", kind="stalled")
 
 
 class Aborted(RouterError):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from .errors import NodeDead, RouterError, Unavailable, UpstreamError
+from .errors import NodeDead, RouterError, Stalled, Unavailable
 from .nodes import Failure, HealthPolicy, Node, Role, RoundRobin, State
 from .pool import DecodePool
 
@@ -169,12 +169,7 @@ class Fleet:
         terminal error, and the node takes no new requests for at least ``hold`` s."""
         if node.stalled(seconds, self.clock() + hold):
             self._changed()
-        error = UpstreamError(
-            f"decode engine {node.url}: stalled: no token for {seconds:.0f} s",
-            status=504,
-            code="stalled",
-            kind="stalled",
-        )
+        error = Stalled(f"decode engine {node.url}: stalled: no token for {seconds:.0f} s")
         log.warning(
             "%s node %s (%s) stalled: no byte for %.0f s on any of its %d started streams; "
             "ending them, no new requests for at least %.0f s",

@@ -1,8 +1,8 @@
 """uvicorn's HTTP/1.1 protocol (httptools) with a limit on a request's head.
 
-httptools takes request heads of any size, and uvicorn's use of it is quadratic in a
-head's size: a 128 MiB header held the router's event loop for tens of seconds, every
-other client with it. Here a head (request line and headers) larger than ``max_head``
+httptools takes request heads of any size, and parsing one under uvicorn is quadratic in
+its size (measured: 16 MiB 0.5 s, 64 MiB 5.8 s, 200 MiB 71 s of a stalled event loop,
+every other client with it). Here a head (request line and headers) larger than ``max_head``
 bytes gets 431 and the connection is closed, before the parser sees the excess.
 
 Bytes are counted from a message's first byte to the end of its headers; data that holds
@@ -15,17 +15,10 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import RouterError
+from .errors import HeadTooLarge
 
 # Far above what any OpenAI client sends (a few hundred bytes), far below what hurts.
 MAX_HEAD_BYTES = 64 << 10
-
-
-class HeadTooLarge(RouterError):
-    status = 431
-    type = "invalid_request_error"
-    code = "request_header_fields_too_large"
-    outcome = "bad_request"
 
 
 class HeadLimitedProtocol(HttpToolsProtocol):

@@ -19,7 +19,7 @@ from . import stall
 from .fleet import Fleet
 from .lag import LoopLag
 from .nodes import Evidence, Failure, Node
-from .upstream import Upstream
+from .upstream import PROBE_TIMEOUT, Upstream
 
 log = logging.getLogger("pd_router.health")
 
@@ -56,7 +56,7 @@ async def _probe(
     if failure is None:
         fleet.probed(node)
         return
-    if failure.kind == "probe timeout":
+    if failure.kind == PROBE_TIMEOUT:
         late = lag.worst_since(started, anyio.current_time())
         if late >= timeout * VOID_LAG_SHARE:
             log.info(

@@ -34,6 +34,8 @@ KEEPALIVE_SECONDS = 4.0
 
 _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
 _LOCAL_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# A probe that got no answer in time: the one failure the router's own lag can explain.
+PROBE_TIMEOUT = "probe timeout"
 
 
 Origin = tuple[str, int, bool]  # host, port, TLS
@@ -152,16 +154,15 @@ class Upstream:
                     await response.read()
         except TimeoutError:
             message = f"health check: no answer within {timeout:g} s"
-            return Failure("probe timeout", message, Evidence.SOFT)
+            return Failure(PROBE_TIMEOUT, message, Evidence.SOFT)
         except UpstreamError as error:
             message = f"health check failed: {error.message}"
             if error.kind == "unreachable":
                 return Failure("probe refused", message, Evidence.HARD)
             if error.kind in ("broken_stream", "protocol"):
                 return Failure("probe broken", message, Evidence.HARD)
-            return Failure(
-                "probe timeout" if error.undelivered else "probe error", message, Evidence.SOFT
-            )
+            kind = PROBE_TIMEOUT if error.undelivered else "probe error"
+            return Failure(kind, message, Evidence.SOFT)
         if response.status == 200:
             return None
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)

@@ -35,6 +35,22 @@ def node_ids(router: RouterProcess) -> dict[str, int]:
     return {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
 
 
+def streaming(router: RouterProcess, tag: str, count: int, tokens: int) -> list[Stream]:
+    """``count`` streams of ``tokens`` tokens, started, each with its first event in; the
+    prompts are ``f"{tag} {i} on"``, the request ids ``f"{tag}{i}"``."""
+    streams = [Stream(router, f"{tag} {i} on", tokens, f"{tag}{i}") for i in range(count)]
+    for stream in streams:
+        stream.start()
+    wait_for(lambda: all(s.events for s in streams), what=f"{count} {tag} streams flowing")
+    return streams
+
+
+def bound_to(router: RouterProcess, url: str) -> set[str]:
+    """The ids of the requests bound to the node at ``url``, as the admin API shows them."""
+    nodes = admin(router, "GET", "/nodes").json()["nodes"]
+    return set(next(n for n in nodes if n["url"] == url)["bound_requests"])
+
+
 def complete(router: RouterProcess, prompt: str, tokens: int = 2) -> httpx.Response:
     body = {"model": "sim-model", "prompt": prompt, "max_tokens": tokens}
     return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
@@ -57,10 +73,7 @@ def test_a_slow_health_makes_a_node_unhealthy_and_its_streams_finish(fleet: SimF
     with router_for(fleet) as router:
         ids = node_ids(router)
         # 120 tokens at 50 ms: ~6 s each, spread over both nodes.
-        streams = [Stream(router, f"flow {i} on", 120, f"f{i}") for i in range(6)]
-        for stream in streams:
-            stream.start()
-        wait_for(lambda: all(s.events for s in streams), what="6 streams flowing")
+        streams = streaming(router, "flow", 6, 120)
         on_slow = slow.stats()["requests"]
         assert on_slow >= 1
         slow.configure(health_delay=2.0)  # 2 s > 0.3 s timeout x 3 probes
@@ -86,15 +99,9 @@ def test_a_hung_engine_ends_its_stalled_streams_once_and_is_readmitted(fleet: Si
     hung, other = fleet.decode
     with router_for(fleet, "--stall-timeout", "2") as router:
         ids = node_ids(router)
-        streams = [Stream(router, f"stall {i} here", 200, f"s{i}") for i in range(6)]
-        for stream in streams:
-            stream.start()
-        wait_for(lambda: all(len(s.events) > 2 for s in streams), what="6 streams flowing")
-        on_hung = set(
-            next(n for n in admin(router, "GET", "/nodes").json()["nodes"] if n["url"] == hung.url)[
-                "bound_requests"
-            ]
-        )
+        streams = streaming(router, "stall", 6, 200)
+        wait_for(lambda: all(len(s.events) > 2 for s in streams), what="a few events each")
+        on_hung = bound_to(router, hung.url)
         assert on_hung and len(on_hung) < 6
         hung.configure(stall=True)  # no more tokens; /health still answers 200 at once
         for stream in streams:
@@ -125,9 +132,7 @@ def test_a_hung_engine_ends_its_stalled_streams_once_and_is_readmitted(fleet: Si
 
 def test_an_answer_longer_than_the_read_timeout_is_a_504_not_a_verdict(fleet: SimFleet) -> None:
     with router_for(fleet, "--read-timeout", "1.5") as router:
-        stream = Stream(router, "keep going", 120, "flowing")  # 50 ms apart: never silent
-        stream.start()
-        wait_for(lambda: bool(stream.events), what="a stream")
+        (stream,) = streaming(router, "flowing", 1, 120)  # 50 ms apart: never silent
         results: list[httpx.Response] = []
 
         def long_answer(i: int) -> None:
@@ -146,7 +151,7 @@ def test_an_answer_longer_than_the_read_timeout_is_a_504_not_a_verdict(fleet: Si
         )
         assert error["message"].startswith("decode engine http://")
         stream.join(30)
-        assert stream.completed() and stream.text == echo("keep going", 120)
+        assert stream.completed() and stream.text == echo(stream.prompt, 120)
         view = admin(router, "GET", "/nodes").json()["nodes"]
         assert [n["state"] for n in view] == ["serving"] * 3
         assert all(n["consecutive_failures"] == 0 for n in view)
@@ -195,10 +200,7 @@ def test_a_client_that_stalls_the_router_gets_no_engine_blamed(fleet: SimFleet) 
     0.3 s allowed, so a probe is out whenever that happens, and times out: void, since the
     router lagged. One counted failure would make the node unhealthy here."""
     with router_for(fleet, "--decode-slots", "1", "--unhealthy-after", "1") as router:
-        streams = [Stream(router, f"meanwhile {i}", 100, f"m{i}") for i in range(2)]
-        for stream in streams:
-            stream.start()
-        wait_for(lambda: all(s.events for s in streams), what="both slots streaming")
+        streams = streaming(router, "meanwhile", 2, 100)  # both slots
         for engine in fleet.engines:
             engine.configure(health_delay=0.2)
         body = orjson.dumps({"model": "sim-model", "prompt": [7] * 16_000_000, "max_tokens": 1})
@@ -256,9 +258,7 @@ def huge_head(router: RouterProcess, size: int) -> bytes:
 
 def test_a_128_mib_header_is_refused_early_and_stalls_nobody(fleet: SimFleet) -> None:
     with router_for(fleet) as router:
-        stream = Stream(router, "meanwhile", 100, "meanwhile")
-        stream.start()
-        wait_for(lambda: bool(stream.events), what="a stream")
+        (stream,) = streaming(router, "meanwhile", 1, 100)
         started = time.monotonic()
         answer = huge_head(router, 128 << 20)
         assert time.monotonic() - started < 10, "refused before the whole header was read"
@@ -268,7 +268,7 @@ def test_a_128_mib_header_is_refused_early_and_stalls_nobody(fleet: SimFleet) ->
         small = complete(router, "after the big one")
         assert small.status_code == 200
         stream.join(30)
-        assert stream.completed() and stream.text == echo("meanwhile", 100)
+        assert stream.completed() and stream.text == echo(stream.prompt, 100)
         log = router.log()
         assert "is unhealthy" not in log and "is dead" not in log
         router.assert_idle()
