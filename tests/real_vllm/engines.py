@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -201,14 +202,35 @@ def tail_file(path: str | os.PathLike, n: int = 60) -> str:
     return _tail_text(data, n)
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that were free a moment ago (all held open while choosing)."""
-    socks = []
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports that were free a moment ago (all held open while choosing).
+
+    Chosen below the kernel's ephemeral range: vLLM binds its NIXL side channel minutes
+    after we choose (model load), and a port from the ephemeral range can meanwhile become
+    the local end of some outgoing connection ("Address already in use" in one CI run)."""
+    low = _ephemeral_low()
+    candidates = random.sample(range(max(1024, low - 12000), low), 400)  # nosec B311
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < n:
+            raise OSError(f"no {n} free ports below {low}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
