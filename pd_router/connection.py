@@ -19,6 +19,8 @@ from typing import cast
 
 import httptools
 
+from .errors import fresh
+
 # Engine bytes not yet taken by the relay; above this the socket stops being read, so a
 # slow client slows the engine down (TCP back-pressure) instead of growing our memory.
 HIGH_WATER = 256 << 10
@@ -34,6 +36,11 @@ class ReadTimeout(TimeoutError):
 
 class ProtocolViolation(ValueError):
     """The engine's bytes are not HTTP/1.1."""
+
+
+# What a lost connection parses with: the parser holds the connection's callbacks and the
+# connection its parser, a cycle that would leave every closed connection to the cyclic GC.
+_UNPLUGGED = httptools.HttpResponseParser(None)
 
 
 class EngineConnection(asyncio.Protocol):
@@ -84,6 +91,7 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._parser = _UNPLUGGED
         self._stop_timer()
         if exc is None and self.head_done and not self.complete and not self._framed:
             self.complete = True  # an unframed body ends when the peer closes (not resets)
@@ -185,7 +193,9 @@ class EngineConnection(asyncio.Protocol):
 
     async def _wait(self, timeout: float) -> None:
         if self.error is not None:
-            raise self.error
+            # A new exception each time, never one a future carries: the kept one, raised,
+            # would hold the frames of its raisers and they this connection (a cycle).
+            raise fresh(self.error)
         waiter = self._waiter = self._loop.create_future()
         self._timeout = timeout
         self._deadline = deadline = self._loop.time() + timeout
@@ -207,7 +217,8 @@ class EngineConnection(asyncio.Protocol):
         if self._loop.time() < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._check_deadline)
             return
-        waiter.set_exception(ReadTimeout(f"no byte from the engine for {self._timeout:g} s"))
+        self.error = ReadTimeout(f"no byte from the engine for {self._timeout:g} s")
+        waiter.set_result(None)
 
     def _stop_timer(self) -> None:
         # A pending timer keeps the connection referenced by the loop until it fires.

@@ -7,7 +7,7 @@ body before the headers went out, or into one SSE error event after.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -46,6 +46,33 @@ class RouterError(Exception):
 
     def json(self) -> bytes:
         return orjson.dumps(self.body())
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(error: E) -> E:
+    """``error`` and the exceptions it chains to, without their tracebacks.
+
+    A raised exception kept past its ``except`` block holds every frame it went through and
+    so their locals (a request's body among them); the frame that keeps it closes a
+    reference cycle that only the cyclic collector frees, late under the router's GC
+    settings (``cli._settle_heap``). The router logs tracebacks where it catches, never later.
+    """
+    seen: BaseException | None = error
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return error
+
+
+def fresh(error: E) -> E:
+    """A new exception like ``error``, to raise where ``error`` itself is shared: raising
+    one instance in several frames would chain all of them to it."""
+    copy = type(error).__new__(type(error), *error.args)
+    copy.__dict__.update(error.__dict__)
+    copy.args = error.args
+    return copy
 
 
 class BadRequest(RouterError):

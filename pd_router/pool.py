@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-from .errors import Busy, QueueTimeout, RouterError, Unavailable
+from .errors import Busy, QueueTimeout, RouterError, Unavailable, fresh
 from .nodes import Node, usable
 
 
@@ -125,7 +125,7 @@ class DecodePool:
             raise
         waited = anyio.current_time() - started
         if waiter.error is not None:
-            raise waiter.error
+            raise fresh(waiter.error)  # one error may tell every waiter
         if waiter.node is None:
             # Timed out; a hand-off that raced with the deadline is kept, not wasted.
             self._waiters.remove(waiter)

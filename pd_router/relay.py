@@ -36,7 +36,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from . import handshake, logs
-from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError
+from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError, detached
 from .fleet import Binding, Fleet
 from .metrics import Telemetry, Timings
 from .nodes import Failure, Node
@@ -120,7 +120,7 @@ class Relay:
                 try:
                     await self._run(client)
                 except RouterError as exc:
-                    error = exc
+                    error = detached(exc)
                 except Exception:
                     log.exception("request %s failed inside the router", self.request_id)
                     error = RouterError("internal router error")
@@ -251,7 +251,7 @@ class Relay:
         except UpstreamError as error:
             if not error.undelivered:
                 raise
-            unreached = error
+            unreached = detached(error)
         # Nothing reached that engine and the KV still waits on the prefill engine: any
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
