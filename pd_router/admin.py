@@ -121,10 +121,9 @@ def admin_routes(router: Router, token: str) -> list[Route]:
 
     async def abort_request(request: Request) -> Response:
         rid = request.path_params["request_id"]
-        binding = fleet.bindings.get(rid)
-        if binding is None or not isinstance(binding.handle, Relay):
+        relay = fleet.requests.get(rid)
+        if not isinstance(relay, Relay):
             return _error(404, f"no request {rid!r} in flight", "not_found")
-        relay = binding.handle
         # 1. Collect what the client has had (read-only).
         partial = {"bytes_sent": relay.client.bytes_sent, "streaming": relay.client.started}
         # 2. Make the engines stop. If that fails, nothing is committed: the binding stays

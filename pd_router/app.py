@@ -13,13 +13,14 @@ import anyio
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .admin import admin_routes
-from .errors import PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
+from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe_forever, supervise, watch_stalls
 from .lag import LoopLag
 from .relay import Relay, Router
@@ -186,7 +187,28 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     ]
     if options.admin_token:
         routes.extend(admin_routes(router, options.admin_token))
-    return RouterApp(openai, Starlette(routes=routes, lifespan=lifespan))
+    paths = {route.path for route in routes}
+
+    async def no_route(request: Request, exc: Exception) -> Response:
+        if not isinstance(exc, HTTPException):  # the only kind registered below
+            raise exc
+        status = exc.status_code
+        method, path = request.method, request.url.path
+        if status == 405:
+            message = f"{method} is not allowed on {path}"
+        else:
+            message = f"no route {method} {path}"
+            if path.endswith("/") and path.rstrip("/") in paths:
+                message += f" (did you mean {path.rstrip('/')}?)"
+        response = error_response(NoRoute(message, status=status))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
+    rest = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})
+    # A redirect to the path without its slash would name the host the client's Host header
+    # says; a 404 that names the right path serves the client better.
+    rest.router.redirect_slashes = False
+    return RouterApp(openai, rest)
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

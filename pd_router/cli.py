@@ -25,7 +25,7 @@ from .fleet import Fleet
 from .head_limit import MAX_HEAD_BYTES, limited
 from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
-from .upstream import Upstream
+from .upstream import MAX_RESPONSE_BYTES, Upstream
 
 
 def _seconds(text: str) -> float:
@@ -66,6 +66,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "largest request body accepted (413 above)"),
     ("--max-header-bytes", _positive, MAX_HEAD_BYTES, "BYTES",
      "largest request line and headers accepted (431 above, and the connection closed)"),
+    ("--max-response-bytes", _positive, MAX_RESPONSE_BYTES, "BYTES",
+     "largest non-streamed engine answer the router holds (502 above); streams are relayed "
+     "as they come and not limited"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
     ("--health-timeout", _seconds, 1.0, "SECONDS",
@@ -150,7 +153,11 @@ def build_router(args: argparse.Namespace) -> Router:
     policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
     return Router(
         fleet=Fleet(prefill, decode, policy),
-        upstream=Upstream(connect_timeout=args.connect_timeout, read_timeout=args.read_timeout),
+        upstream=Upstream(
+            connect_timeout=args.connect_timeout,
+            read_timeout=args.read_timeout,
+            max_response_bytes=args.max_response_bytes,
+        ),
         settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
     )
 

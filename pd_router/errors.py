@@ -85,6 +85,15 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+class NoRoute(BadRequest):
+    """A path the router does not serve (404), or a method it does not take there (405)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = "method_not_allowed" if status == 405 else "not_found"
+
+
 class HeadTooLarge(BadRequest):
     """A request line and headers over ``--max-header-bytes`` (``head_limit.py``)."""
 
@@ -118,7 +127,8 @@ class UpstreamError(RouterError):
     a full accept queue also looks like a connect timeout, and the streams the engine
     already serves may be fine), and, saying nothing against the node: ``http_4xx`` (the
     request's fault), ``timeout`` (the request's own outcome, 504), ``stalled`` (the stall
-    watch ended it) and ``node_dead`` (another request found the engine dead).
+    watch ended it), ``node_dead`` (another request found the engine dead) and
+    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's).
     """
 
     type = "upstream_error"
@@ -144,8 +154,9 @@ class UpstreamError(RouterError):
 
     @property
     def engine_fault(self) -> bool:
-        """Worth another engine (prefill retries once): anything but the request's fault."""
-        return self.kind != "http_4xx"
+        """Worth another engine (prefill retries once): not the request's fault, nor an
+        answer too large (another engine would give the same)."""
+        return self.kind not in ("http_4xx", "too_large")
 
     @property
     def evidence(self) -> Evidence | None:
@@ -163,20 +174,23 @@ _EVIDENCE = {
 _OUTCOMES = {"timeout": "timeout", "stalled": "stalled", "node_dead": "node_dead"}
 
 
-def upstream_message(status: int, raw: bytes) -> str:
-    """The engine's own error message when it sent an OpenAI/vLLM error body, else a summary."""
+def engine_message(raw: bytes) -> str | None:
+    """The message of an OpenAI/vLLM JSON error body; None for any other body.
+
+    Only an engine's own error message goes to the client: an HTML or plain-text page (a
+    proxy's, a framework's stack trace) is the operator's to read, in the router's log.
+    """
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        parsed = None
+        return None
     if isinstance(parsed, dict):
         error = parsed.get("error", parsed)
         if isinstance(error, dict) and isinstance(error.get("message"), str):
             return str(error["message"])
         if isinstance(parsed.get("message"), str):
             return str(parsed["message"])
-    text = raw[:200].decode("utf-8", "replace").strip()
-    return f"HTTP {status}" + (f": {text}" if text else "")
+    return None
 
 
 class Unavailable(RouterError):

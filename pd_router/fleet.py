@@ -76,6 +76,8 @@ class Fleet:
         self.prefill = RoundRobin(prefill)
         self.pool = DecodePool(decode)
         self.bindings: dict[str, Binding] = {}
+        # Every request in flight by id, from its arrival (before it has a slot) to its end.
+        self.requests: dict[str, Handle] = {}
         self._next_id = len(prefill) + len(decode)
 
     @property
@@ -95,13 +97,19 @@ class Fleet:
 
     # Bindings
 
-    def unique_id(self, request_id: str) -> str:
-        """Ids are the keys of the table and of abort-by-id: a reused one gets a suffix."""
+    def admit(self, request_id: str, handle: Handle) -> str:
+        """Register a request from its arrival to its end (``leave``), queued included;
+        returns its id, with a suffix if a request in flight already has it: ids key the
+        binding table, abort-by-id and the engines' KV."""
         candidate, n = request_id, 1
-        while candidate in self.bindings:
+        while candidate in self.requests:
             n += 1
             candidate = f"{request_id}.{n}"
+        self.requests[candidate] = handle
         return candidate
+
+    def leave(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
 
     @contextmanager
     def bind(self, handle: Handle, decode: Node) -> Iterator[Binding]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import UpstreamError
-
 # What vLLM's NixlConnector expects on the prefill side: "keep the KV for a remote decode".
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -59,9 +57,9 @@ class Prefilled:
     def __init__(self, answer: Any) -> None:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
-            raise UpstreamError(
-                "prefill engine returned no kv_transfer_params "
-                "(is it running with a kv_producer --kv-transfer-config?)"
+            raise ValueError(
+                "answer has no kv_transfer_params "
+                "(is the engine running with a kv_producer --kv-transfer-config?)"
             )
         self.kv_transfer_params: dict[str, Any] = params
         usage = answer.get("usage")

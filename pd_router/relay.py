@@ -42,7 +42,7 @@ from .metrics import Telemetry, Timings
 from .nodes import Failure, Node
 from .pool import Reservation
 from .response import ClientStream
-from .sse import EventRelay, patch_usage
+from .sse import EventRelay, with_usage_fixed
 from .upstream import Response, Upstream
 from .validation import PATHS, Endpoint
 
@@ -95,7 +95,7 @@ class Relay:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
-        self.request_id = router.fleet.unique_id(request_id)
+        self.request_id = router.fleet.admit(request_id, self)
         self.stream = bool(body.get("stream"))
         self.client_gone = False
         self.outcome = "rejected_busy"
@@ -133,6 +133,7 @@ class Relay:
             # client that left before its answer was finished abandoned the request.
             if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
+            self.router.fleet.leave(self.request_id)
             self._report()
 
     def _report(self) -> None:
@@ -299,8 +300,11 @@ class Relay:
                 raw = await answer.read()
                 try:
                     prefilled = handshake.Prefilled(orjson.loads(raw))
-                except orjson.JSONDecodeError:
-                    raise UpstreamError(f"{answer.url}: prefill answer is not JSON") from None
+                except ValueError as exc:  # not JSON (orjson's error is one), or no KV params
+                    reason = (
+                        "answer is not JSON" if isinstance(exc, orjson.JSONDecodeError) else exc
+                    )
+                    raise UpstreamError(f"{answer.url}: {reason}") from None
             except UpstreamError as error:
                 raise self._engine_failed(node, error) from None
             finally:
@@ -409,7 +413,11 @@ class Relay:
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
     ) -> None:
         raw = await answer.read()
-        await client.respond(200, patch_usage(raw, prefilled.fix_usage))
+        try:
+            document = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"{answer.url}: answer is not JSON") from None
+        await client.respond(200, with_usage_fixed(raw, document, prefilled.fix_usage))
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import ssl
 import time
 from functools import lru_cache
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from .connection import ConnectionLost, EngineConnection, ProtocolViolation, ReadTimeout
-from .errors import UpstreamError, upstream_message
+from .errors import UpstreamError, engine_message
 from .nodes import Evidence, Failure
 
 # Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
@@ -31,6 +32,14 @@ from .nodes import Evidence, Failure
 # picked it, and a request is never sent twice (an engine that read it and then died sends
 # no byte either, so "no answer" does not prove it was not taken).
 KEEPALIVE_SECONDS = 4.0
+
+# A non-streamed answer larger than this is refused (502): the router holds it whole.
+# 32 MiB is hundreds of thousands of tokens of text, with log-probabilities too.
+MAX_RESPONSE_BYTES = 32 << 20
+# Of an error answer, the router reads this much: enough for any JSON error message.
+ERROR_BODY_BYTES = 4 << 10
+
+log = logging.getLogger("pd_router")
 
 _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
 _LOCAL_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -98,13 +107,28 @@ class Response:
             self._upstream.release(self._conn, self._origin)
 
     async def read(self) -> bytes:
-        parts = []
+        """The whole answer; more than the router's ``max_response_bytes`` is an error."""
+        limit = self._upstream.max_response_bytes
+        data, whole = await self._read_at_most(limit)
+        if not whole:
+            message = f"{self.url}: answer larger than {limit} bytes (--max-response-bytes)"
+            raise UpstreamError(message, code="response_too_large", kind="too_large")
+        return data
+
+    async def _read_at_most(self, limit: int) -> tuple[bytes, bool]:
+        """Up to ``limit`` bytes of the answer, and whether that was all of it (if not, the
+        connection is closed when the response is, and the engine stops sending)."""
+        parts: list[bytes] = []
+        size = 0
         try:
             while data := await self._conn.next_body(self._read_timeout):
+                size += len(data)
+                if size > limit:
+                    return b"".join(parts), False
                 parts.append(data)
         except _LOST as exc:
             raise _failure(f"{self.url}: connection lost", exc) from None
-        return b"".join(parts)
+        return b"".join(parts), True
 
     async def next_chunk(self) -> bytes:
         """The bytes that arrived since the last call (several chunks coalesced), waiting
@@ -116,17 +140,41 @@ class Response:
             raise _failure(f"{self.url}: stream broken", exc) from None
 
     async def error(self) -> UpstreamError:
-        """The engine's non-200 answer as an error carrying its status and message."""
-        raw = await self.read()
-        kind = "http_4xx" if 400 <= self.status < 500 else "http_5xx"
-        message = f"{self.url}: {upstream_message(self.status, raw)}"
-        return UpstreamError(message, status=self.status, kind=kind)
+        """The engine's non-200 answer as an error carrying its status and message.
+
+        4xx and 5xx pass on; any other status is not an engine's answer to a generation
+        request (a 204, a redirect, a 101, a 999): 502, and its body is not read."""
+        if not 400 <= self.status < 600:
+            self.close()
+            message = f"{self.url}: answered HTTP {self.status}, not an answer an engine gives"
+            return UpstreamError(message, kind="protocol")
+        raw, _ = await self._read_at_most(ERROR_BODY_BYTES)
+        kind = "http_4xx" if self.status < 500 else "http_5xx"
+        return UpstreamError(
+            f"{self.url}: {_message(self.url, self.status, raw)}", status=self.status, kind=kind
+        )
+
+
+def _message(url: str, status: int, raw: bytes) -> str:
+    message = engine_message(raw)
+    if message is not None:
+        return message
+    if raw:
+        log.warning("%s answered %d with a non-JSON body: %r", url, status, raw[:400])
+    return f"HTTP {status}"
 
 
 class Upstream:
-    def __init__(self, *, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.max_response_bytes = max_response_bytes
         # Per origin, idle connections, most recently used last (a dict is an ordered set).
         self._idle: dict[Origin, dict[EngineConnection, None]] = {}
         self._tls: ssl.SSLContext | None = None
@@ -169,9 +217,9 @@ class Upstream:
 
     async def get_json(self, url: str) -> Any:
         with await self._request(url, b"GET") as response:
+            if response.status != 200:
+                raise await response.error()
             raw = await response.read()
-        if response.status != 200:
-            raise UpstreamError(f"{url}: {upstream_message(response.status, raw)}")
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -239,12 +239,15 @@ async def test_forced_removal_fails_the_bound_requests() -> None:
     assert fleet.pool.nodes == [] and fleet.bindings == {}
 
 
-async def test_reused_request_ids_get_a_suffix() -> None:
+def test_request_ids_are_unique_from_arrival_to_end() -> None:
+    """Queued requests (no slot, no binding yet) hold their id too."""
     fleet = make_fleet()
-    reservation = await fleet.pool.acquire(0)
-    with fleet.bind(Request("same"), reservation.node):
-        assert fleet.unique_id("same") == "same.2"
-    assert fleet.unique_id("same") == "same"
+    first, second, third = Request("same"), Request("same"), Request("same")
+    assert fleet.admit("same", first) == "same"
+    assert fleet.admit("same", second) == "same.2"
+    assert fleet.requests == {"same": first, "same.2": second}
+    fleet.leave("same")
+    assert fleet.admit("same", third) == "same"
 
 
 async def test_a_death_spares_the_streams_still_flowing_on_the_node() -> None:

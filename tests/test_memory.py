@@ -60,14 +60,15 @@ class InProcessRouter:
         self.server.should_exit = True
         self.thread.join(10)
 
-    def post(self, body: Any, *, raw: bytes | None = None, leave_after: float | None = None) -> bytes:
+    def post(
+        self, body: Any, *, raw: bytes | None = None, leave_after: float | None = None
+    ) -> bytes:
         """POST to /v1/completions; the whole answer, or b"" when leaving after a while."""
         data = raw if raw is not None else json.dumps(body).encode()
         with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
             sock.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nhost: router\r\nconnection: close\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data)
-                + data
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data
             )
             if leave_after is not None:
                 time.sleep(leave_after)

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from pd_router import handshake
-from pd_router.errors import BadRequest, UpstreamError, upstream_message
+from pd_router.errors import BadRequest, engine_message
 from pd_router.sse import DONE, EventRelay, patch_usage
 from pd_router.validation import parse_body, request_id
 
@@ -52,8 +52,8 @@ def test_decode_body_is_the_original_plus_exactly_the_prefill_params() -> None:
     assert drain["kv_transfer_params"] is params
 
 
-def test_prefill_answer_without_kv_params_is_an_upstream_error() -> None:
-    with pytest.raises(UpstreamError, match="kv_transfer_params"):
+def test_prefill_answer_without_kv_params_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_transfer_params"):
         handshake.Prefilled({"choices": []})
 
 
@@ -95,6 +95,28 @@ def test_event_relay_rewrites_only_the_usage_event() -> None:
     assert out.startswith(token) and out.endswith(DONE)
     patched = orjson.loads(out[len(token) + 6 : -len(DONE) - 2])
     assert patched["usage"] == {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_event_relay_takes_crlf_events_byte_for_byte_and_patches_their_usage() -> None:
+    relay = EventRelay(fix)
+    token = b'data: {"choices":[{"text":" a"}]}\r\n\r\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5}}\r\n\r\n'
+    done = b"data: [DONE]\r\n\r\n"
+    stream = token + usage + done
+    out = [relay.feed(stream[i : i + 5]) for i in range(0, len(stream), 5)]
+    joined = b"".join(out)
+    assert relay.done and joined.startswith(token) and joined.endswith(done)
+    assert all(chunk == b"" or chunk.endswith(b"\r\n\r\n") for chunk in out)
+    patched = orjson.loads(joined[len(token) + 6 : -len(done) - 4])
+    assert patched["usage"] == {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_event_relay_sends_nothing_after_done() -> None:
+    relay = EventRelay(fix)
+    token = b'data: {"choices":[{"text":" a"}]}\n\n'
+    late = b'data: {"choices":[{"text":" late"}]}\n\n'
+    assert relay.feed(token + DONE + late) == token + DONE
+    assert relay.done
 
 
 def test_event_relay_bounds_an_event_that_never_ends() -> None:
@@ -150,8 +172,45 @@ def test_request_ids_are_kept_when_sane_and_replaced_otherwise() -> None:
         assert fresh != bad and len(fresh) == 32
 
 
-def test_upstream_messages_are_taken_from_openai_and_vllm_bodies() -> None:
-    assert upstream_message(400, b'{"error": {"message": "too long"}}') == "too long"
-    assert upstream_message(400, b'{"message": "bad", "object": "error"}') == "bad"
-    assert upstream_message(502, b"<html>gateway</html>") == "HTTP 502: <html>gateway</html>"
-    assert upstream_message(500, b"") == "HTTP 500"
+def test_engine_messages_are_taken_from_openai_and_vllm_json_bodies_only() -> None:
+    assert engine_message(b'{"error": {"message": "too long"}}') == "too long"
+    assert engine_message(b'{"message": "bad", "object": "error"}') == "bad"
+    # A page (a proxy's, a stack trace) is for the router's log, never for the client.
+    assert engine_message(b"<html>gateway</html>") is None
+    assert engine_message(b"Traceback (most recent call last):") is None
+    assert engine_message(b'{"detail": "not found"}') is None
+    assert engine_message(b"") is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"", "request body is empty: expected a JSON object"),
+        (b"notjson", "request body is not valid JSON (error at line 1, column 1)"),
+        (b'{"model": "m", "prompt": 123}', "'prompt' must be a string, a list of strings"),
+        (b'{"model": "m"}', "'prompt' is required"),
+        (b'{"model": "m", "prompt": [1, 18446744073709551616]}', "'prompt' must be"),
+        (b'{"model": "m", "prompt": "x", "seed": 18446744073709551616}', "out of range"),
+        (b'{"model": "m", "prompt": "x", "x": {"y": [1.5, -1e19]}}', "out of range"),
+        (b'{"model": "m", "prompt": "x", "x": ' + b"[" * 128 + b"]" * 128 + b"}", "deeper"),
+        (
+            b'{"model": "m", "prompt": "x", "x": ' + b'[{"a":' * 64 + b"1" + b"}]" * 64 + b"}",
+            "deeper",
+        ),
+        (b'{"model": "m", "prompt": "x", "x": ' + b"[" * 1100 + b"]" * 1100 + b"}", "deeper"),
+    ],
+)
+def test_odd_bodies_get_a_message_that_says_what_is_wrong(raw: bytes, message: str) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse_body(raw, "completions")
+    assert caught.value.status == 400 and message in caught.value.message
+
+
+def test_deep_but_forwardable_bodies_and_large_unsigned_integers_pass() -> None:
+    deep = b'{"model": "m", "prompt": "x", "x": ' + b"[" * 127 + b"]" * 127 + b"}"
+    body = parse_body(deep, "completions")
+    assert orjson.loads(orjson.dumps(body)) == body
+    raw = b'{"model": "m", "prompt": "x", "seed": 18446744073709551615, "t": 0.5}'
+    assert orjson.dumps(parse_body(raw, "completions")) == raw.replace(b": ", b":").replace(
+        b", ", b","
+    )

@@ -779,7 +779,7 @@ async def test_an_invalid_chunk_is_a_protocol_error_after_the_valid_bytes() -> N
             "http_4xx",
             "max_tokens is too large",
         ),
-        (500, b"Internal Server Error", "http_5xx", "HTTP 500: Internal Server Error"),
+        (500, b"<html>Traceback: secret.py line 3</html>", "http_5xx", "HTTP 500"),
     ],
 )
 async def test_error_carries_the_engines_status_kind_and_message(
@@ -798,6 +798,7 @@ async def test_error_carries_the_engines_status_kind_and_message(
             assert error.status == status
             assert message in error.message
             assert url in error.message
+            assert "secret" not in error.message, "a page is logged, never passed on"
             assert error.engine_fault is (kind != "http_4xx")
 
     # The error body was read to its end: an error answer does not cost a connection.
@@ -805,6 +806,65 @@ async def test_error_carries_the_engines_status_kind_and_message(
 
 
 # ---------------------------------------------------------------------------- probe
+
+
+@pytest.mark.parametrize("status", [101, 204, 304, 307, 999])
+async def test_a_status_no_engine_answers_with_is_a_protocol_error_its_body_unread(
+    status: int,
+) -> None:
+    """Passed on, a 204 with a body broke the client's next request on that connection,
+    a 101 hung it, a 999 made uvicorn send nothing at all."""
+
+    async def handler(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(b"HTTP/1.1 %d Odd\r\ncontent-length: 5\r\n\r\nhello" % status)
+        await conn.until_gone()
+
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            assert response.status == status
+            error = await within(response.error())
+        assert (error.status, error.kind) == (502, "protocol")
+        assert f"answered HTTP {status}" in error.message
+        await until(lambda: engine.connections[0].gone.is_set())
+        assert idle(client) == []
+
+
+async def test_an_error_body_is_read_up_to_a_few_kib_and_the_connection_closed() -> None:
+    """A 50 MiB error page was read whole to quote 200 characters of it."""
+    page = b"x" * (50 << 20)
+
+    async def handler(conn: Conn) -> None:
+        await conn.request()
+        with contextlib.suppress(ConnectionError):
+            await conn.send(answer(500, page))
+        await conn.until_gone()
+
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            error = await within(response.error())
+        assert (error.status, error.kind) == (500, "http_5xx")
+        await until(lambda: engine.connections[0].gone.is_set())
+        assert idle(client) == []
+
+
+async def test_an_answer_over_max_response_bytes_is_refused_and_not_held() -> None:
+    async def handler(conn: Conn) -> None:
+        while await conn.request() is not None:
+            with contextlib.suppress(ConnectionError):
+                await conn.send(answer(200, b"y" * 5000))
+
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        client.max_response_bytes = 4096
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            with pytest.raises(UpstreamError) as caught:
+                await response.read()
+        error = caught.value
+        assert (error.status, error.code, error.kind) == (502, "response_too_large", "too_large")
+        assert error.evidence is None and not error.engine_fault
+        client.max_response_bytes = 5000
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            assert await response.read() == b"y" * 5000
 
 
 async def test_probe_200_is_healthy_and_a_503_is_reported() -> None:
