@@ -28,13 +28,25 @@ from .relay import Router, Settings
 from .upstream import Upstream
 
 
-def _seconds(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = float("nan")
+        return float("nan")  # fails every range check below
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -48,16 +60,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 0 to 65535 (0: any free port), got {text!r}"
+        )
+    return value
+
+
 # (flag, type, default, metavar, help): one table, so every option reads the same way.
 OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--host", str, "127.0.0.1", None, "address to listen on"),
-    ("--port", int, 8000, None, "port to listen on"),
+    ("--port", _port, 8000, "PORT", "port to listen on"),
     ("--decode-slots", _positive, 1, "N",
      "sequences each decode node serves at once, unless the node says otherwise"),
     ("--queue-timeout", _seconds, 0.0, "SECONDS",
      "wait up to this long for a free decode slot; 0 fails fast with 429"),
-    ("--connect-timeout", _seconds, 5.0, "SECONDS", "give up connecting to an engine"),
-    ("--read-timeout", _seconds, 600.0, "SECONDS",
+    ("--connect-timeout", _timeout, 5.0, "SECONDS", "give up connecting to an engine"),
+    ("--read-timeout", _timeout, 600.0, "SECONDS",
      "give up on an engine that sends nothing for this long"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
@@ -68,7 +93,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "largest request line and headers accepted (431 above, and the connection closed)"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
-    ("--health-timeout", _seconds, 1.0, "SECONDS",
+    ("--health-timeout", _timeout, 1.0, "SECONDS",
      "a slower probe counts as a (soft) failure, unless the router itself lagged"),
     ("--unhealthy-after", _positive, 3, "N",
      "failures in a row that make a node unhealthy (no new requests; soft: slow, 5xx) "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .cli import add_router_flags, build_router, serve
+from .cli import _positive, _seconds, add_router_flags, build_router, serve
 from .sim.fleet import SimFleet
 
 
@@ -20,9 +20,12 @@ def main(argv: Sequence[str]) -> None:
         description="Run pd-router in front of simulated prefill and decode engines.",
     )
     add_router_flags(parser, engines=False)
-    parser.add_argument("--decode-nodes", type=int, default=2, help="simulated decode engines")
-    parser.add_argument("--ttft", type=float, default=0.05, help="simulated time to first token")
-    parser.add_argument("--itl", type=float, default=0.02, help="simulated seconds between tokens")
+    for flag, kind, default, metavar, text in [
+        ("--decode-nodes", _positive, 2, "N", "simulated decode engines"),
+        ("--ttft", _seconds, 0.05, "SECONDS", "simulated time to first token"),
+        ("--itl", _seconds, 0.02, "SECONDS", "simulated time between tokens"),
+    ]:
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     parser.set_defaults(decode_slots=4, queue_timeout=10.0)
     args = parser.parse_args(argv)
     decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl)]
