@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
+import logging
 import os
 import socket
 import sys
@@ -26,6 +28,8 @@ from .head_limit import MAX_HEAD_BYTES, limited
 from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
 from .upstream import Upstream
+
+log = logging.getLogger("pd_router")
 
 
 def _number(text: str) -> float:
@@ -75,8 +79,8 @@ def _port(text: str) -> int:
 
 # (flag, type, default, metavar, help): one table, so every option reads the same way.
 OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
-    ("--host", str, "127.0.0.1", None, "address to listen on"),
-    ("--port", _port, 8000, "PORT", "port to listen on"),
+    ("--host", str, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
+    ("--port", _port, 8000, "PORT", "port to listen on; 0 picks a free one, which is logged"),
     ("--decode-slots", _positive, 1, "N",
      "sequences each decode node serves at once, unless the node says otherwise"),
     ("--queue-timeout", _seconds, 0.0, "SECONDS",
@@ -188,6 +192,14 @@ class _Server(uvicorn.Server):
         self._router = router
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn names the address only of sockets it bound itself; this line is also the
+        # one that tells which port --port 0 got.
+        for sock in sockets or ():
+            host, port = sock.getsockname()[:2]
+            log.info("listening on http://%s", address(host, port))
+
     async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super()._serve(sockets)
@@ -202,7 +214,37 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(args: argparse.Namespace, router: Router) -> None:
+def listen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> socket.socket:
+    """The router's socket, bound and listening before anything else starts, so that a taken
+    address is one line and exit 2 rather than a banner, uvicorn's start-up, then its error
+    (and, for the demo, engines started for nothing). Port 0 becomes the port the system
+    chose, so that the messages after this one name the real port."""
+    # As uvicorn decides it: a colon makes an IPv6 address; names resolve as IPv4.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A restart need not wait for the last run's connections to leave TIME_WAIT; a port
+        # another process listens on is still refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        if exc.errno == errno.EADDRINUSE:
+            reason += "; pass --port to choose another (or --port 0 for any free port)"
+        where = address(args.host, args.port)
+        parser.exit(2, f"{parser.prog}: error: cannot listen on {where}: {reason}\n")
+    args.port = sock.getsockname()[1]
+    return sock
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as it goes in a URL."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None:
     logs.configure(args.log_level, args.log_format)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
@@ -227,7 +269,7 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         timeout_keep_alive=75,
     )
     _settle_heap()
-    _Server(config, router).run()
+    _Server(config, router).run(sockets=[sock])
 
 
 def _settle_heap() -> None:
@@ -260,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         router = build_router(args)
     except ValueError as exc:
         parser.error(str(exc))
-    serve(args, router)
+    serve(args, router, listen(parser, args))
 
 
 def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:

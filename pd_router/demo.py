@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .cli import _positive, _seconds, add_router_flags, build_router, serve
+from .cli import _positive, _seconds, add_router_flags, address, build_router, listen, serve
 from .sim.fleet import SimFleet
 
 
@@ -28,15 +28,16 @@ def main(argv: Sequence[str]) -> None:
         parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     parser.set_defaults(decode_slots=4, queue_timeout=10.0)
     args = parser.parse_args(argv)
+    sock = listen(parser, args)
     decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl)]
     with SimFleet(prefill=1, decode=args.decode_nodes, decode_args=decode_args) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]
         print(
             f"pd-router demo: prefill {' '.join(args.prefill)}, decode {' '.join(args.decode)}; "
-            f"try: curl http://{args.host}:{args.port}/v1/completions "
+            f"try: curl http://{address(args.host, args.port)}/v1/completions "
             '-H "Content-Type: application/json" '
             """-d '{"model": "sim-model", "prompt": "hello pd router", "max_tokens": 8}'""",
             flush=True,
         )
-        serve(args, build_router(args))
+        serve(args, build_router(args), sock)
