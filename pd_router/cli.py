@@ -117,29 +117,35 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
 def add_router_flags(
     parser: argparse.ArgumentParser, *, engines: bool = True
 ) -> list[argparse.Action]:
-    """Add the router's flags; returns them, for the other sources of settings."""
+    """Add the router's flags; returns them, for the other sources of settings.
+
+    Without ``engines`` (the demo starts its own) ``--prefill`` and ``--decode`` are hidden
+    and optional, yet known in every source: the caller refuses them in its own words.
+    """
     actions: list[argparse.Action] = []
 
     def add(flag: str, **kwargs: Any) -> None:
         actions.append(parser.add_argument(flag, **kwargs))
 
-    if engines:
-        add(
-            "--prefill",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL",
-            help="prefill engine base URL (repeat or list several)",
-        )
-        add(
-            "--decode",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL[,slots=N]",
-            help="decode engine base URL, optionally with its own slot count",
-        )
+    def engine_help(text: str) -> str:
+        return text if engines else argparse.SUPPRESS
+
+    add(
+        "--prefill",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL",
+        help=engine_help("prefill engine base URL (repeat or list several)"),
+    )
+    add(
+        "--decode",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL[,slots=N]",
+        help=engine_help("decode engine base URL, optionally with its own slot count"),
+    )
     for flag, kind, default, metavar, text in OPTIONS:
         add(flag, type=kind, default=default, metavar=metavar, help=text)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -149,6 +155,12 @@ def add_router_flags(
         action=argparse.BooleanOptionalAction,
         default=False,
         help="log every HTTP request (uvicorn)",
+    )
+    add(
+        "--config",
+        metavar="FILE",
+        help="TOML file of settings: keys are the flags' names with _ (queue_timeout); "
+        "default $PD_ROUTER_CONFIG",
     )
     return actions  # fmt: skip
 
@@ -290,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
-        demo_main(argv[1:])
+        demo_main(argv[1:], os.environ)
         return
     if argv[:1] == ["status"]:
         from .status import main as status_main
@@ -316,13 +328,4 @@ def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         "`pd-router demo` runs the router in front of simulated engines on loopback; "
         "`pd-router status` shows a running router's nodes.",
     )
-    actions = add_router_flags(parser)
-    actions.append(
-        parser.add_argument(
-            "--config",
-            metavar="FILE",
-            help="TOML file of settings: keys are the flags' names with _ (queue_timeout); "
-            "default $PD_ROUTER_CONFIG",
-        )
-    )
-    return parser, actions
+    return parser, add_router_flags(parser)

@@ -1,6 +1,7 @@
 """The command line's first five minutes: bad values refused in one line before anything
 starts, a taken port refused with a hint (and no engines left behind by the demo),
-``--port 0``. The real CLI runs as a subprocess."""
+``--port 0``, the demo's settings from every source. The real CLI runs as a subprocess,
+except where only parsing is checked."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+
+from pd_router.demo import parse
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.
 ENGINES = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
@@ -111,12 +114,29 @@ def marked(mark: str) -> list[int]:
             {},
             "pd-router demo: error: argument --port: must be a whole number from 0 to 65535",
         ),
+        (
+            ["demo"],
+            {"PD_ROUTER_DECODE_NODES": "0"},
+            "pd-router demo: error: PD_ROUTER_DECODE_NODES: must be a whole number >= 1",
+        ),
+        (
+            ["demo", "--prefill", "http://127.0.0.1:9"],
+            {},
+            "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(
     argv: list[str], env: dict[str, str], expected: str
 ) -> None:
     assert refusal(run(*argv, env=env)).startswith(expected)
+
+
+def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "demo.toml"
+    path.write_text("port = 70000\n")
+    line = refusal(run("demo", "--config", str(path)))
+    assert line.startswith(f"pd-router demo: error: {path}: port: must be a whole number from 0")
 
 
 @pytest.mark.parametrize(
@@ -220,3 +240,52 @@ def test_port_0_serves_and_logs_the_port_it_got(host: str, shown: str) -> None:
         assert b"pd_router_queue_depth" in get(f"http://{shown}:{port}/metrics")
     finally:
         assert router.stop() == 0
+
+
+def test_the_demo_takes_a_config_file_and_the_environment(tmp_path: Path) -> None:
+    """File over the demo's defaults, environment over the file; port 0 is in the banner."""
+    path = tmp_path / "demo.toml"
+    path.write_text("port = 0\ndecode_nodes = 1\ndecode_slots = 2\nttft = 0\nitl = 0\n")
+    mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
+    env = {"PD_ROUTER_DECODE_SLOTS": "3", "CLI_TEST_MARK": mark}
+    demo = Running(["demo", "--config", str(path)], env)
+    try:
+        url = demo.wait_for("stdout", r"try: curl (http://127\.0\.0\.1:(\d+))/v1/completions")
+        assert int(url[2]) != 0
+        metrics = get(url[1].decode() + "/metrics").decode()
+        decode = re.findall(r'pd_router_node_slots\{[^}]*role="decode"[^}]*\} (\S+)', metrics)
+        assert decode == ["3.0"]  # one decode node (the file), three slots (the environment)
+        request = urllib.request.Request(
+            url[1].decode() + "/v1/completions",
+            data=b'{"model": "sim-model", "prompt": "hello cli", "max_tokens": 2}',
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310
+            assert b"hello cli" in response.read()
+    finally:
+        assert demo.stop() == 0
+    assert marked(mark) == [], "simulated engines left running"
+
+
+def test_the_demos_defaults_are_under_every_source(tmp_path: Path) -> None:
+    defaults = parse([], {})[1]
+    assert (defaults.decode_slots, defaults.queue_timeout, defaults.decode_nodes) == (4, 10.0, 2)
+    assert (defaults.ttft, defaults.itl, defaults.port) == (0.05, 0.02, 8000)
+    path = tmp_path / "demo.toml"
+    path.write_text("decode_slots = 2\nqueue_timeout = 0\n")
+    config = ["--config", str(path)]
+    assert parse(config, {})[1].decode_slots == 2
+    assert parse(config, {"PD_ROUTER_DECODE_SLOTS": "3"})[1].decode_slots == 3
+    args = parse([*config, "--decode-slots", "5"], {"PD_ROUTER_DECODE_SLOTS": "3"})[1]
+    assert (args.decode_slots, args.queue_timeout) == (5, 0.0)
+
+
+def test_the_demo_refuses_engines_from_its_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "demo.toml"
+    path.write_text('decode = ["http://127.0.0.1:9"]\n')
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--config", str(path)], {})
+    assert exit_info.value.code == 2
+    assert "the demo starts its own engines" in capsys.readouterr().err
