@@ -108,7 +108,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "a decode node whose started streams all sent nothing for this long is hung: those "
      "streams end with an error and it gets no new requests for as long; 0 turns it off"),
     ("--admin-token", str, None, "TOKEN",
-     "enable /admin/* behind this bearer token (off when unset)"),
+     "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
      "on SIGTERM, how long in-flight requests get to finish before they are failed"),
 ]  # fmt: skip
@@ -148,7 +148,12 @@ def add_router_flags(
     )
     for flag, kind, default, metavar, text in OPTIONS:
         add(flag, type=kind, default=default, metavar=metavar, help=text)
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log lines shown",
+    )
     add("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
     add(
         "--access-log",
@@ -159,8 +164,8 @@ def add_router_flags(
     add(
         "--config",
         metavar="FILE",
-        help="TOML file of settings: keys are the flags' names with _ (queue_timeout); "
-        "default $PD_ROUTER_CONFIG",
+        help="TOML file of settings, keys named as the flags with _ for - (queue_timeout) "
+        "(default: $PD_ROUTER_CONFIG)",
     )
     return actions  # fmt: skip
 
@@ -175,7 +180,11 @@ def parse_router_args(
     options = config.options_of(actions)
     # Only now may argparse forget defaults and requirements: a flag it leaves out of the
     # namespace is one the command line did not give, which a lower source may fill in.
+    # --help is shown after that, so the defaults go into the help text first (the demo's
+    # own ones, where it changed them).
     for action in actions:
+        if action.default is not None and action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help} (default: {_shown(action.default)})"
         action.default = argparse.SUPPRESS
         action.required = False
     given = vars(parser.parse_args(argv))
@@ -183,6 +192,14 @@ def parse_router_args(
         return argparse.Namespace(**config.resolve(options, given, environ))
     except config.ConfigError as exc:
         parser.error(str(exc))
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
 
 
 def build_router(args: argparse.Namespace) -> Router:

@@ -32,7 +32,8 @@ def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         prog="pd-router demo",
         description="Run pd-router in front of simulated prefill and decode engines on "
         "127.0.0.1. It takes pd-router's flags (but starts its own engines), "
-        "PD_ROUTER_<FLAG> variables and --config FILE as pd-router does.",
+        "PD_ROUTER_<FLAG> variables and --config FILE as pd-router does; the defaults shown "
+        "are the demo's.",
     )
     actions = add_router_flags(parser, engines=False)
     # On the actions, not parser.set_defaults: argparse would put a parser-level default in

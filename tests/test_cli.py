@@ -1,10 +1,11 @@
 """The command line's first five minutes: bad values refused in one line before anything
 starts, a taken port refused with a hint (and no engines left behind by the demo),
-``--port 0``, the demo's settings from every source. The real CLI runs as a subprocess,
-except where only parsing is checked."""
+``--port 0``, defaults in ``--help``, the demo's settings from every source. The real CLI
+runs as a subprocess, except where only parsing is checked."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import selectors
@@ -15,12 +16,13 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
-from pd_router.demo import parse
+from pd_router.cli import parse_router_args, router_parser
+from pd_router.demo import demo_parser, parse
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.
 ENGINES = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
@@ -137,6 +139,30 @@ def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None
     path.write_text("port = 70000\n")
     line = refusal(run("demo", "--config", str(path)))
     assert line.startswith(f"pd-router demo: error: {path}: port: must be a whole number from 0")
+
+
+def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
+    for action in actions:
+        if action.type is not None and action.type is not str:
+            yield action.option_strings[0]
+
+
+@pytest.mark.parametrize("command", ["pd-router", "pd-router demo"])
+@pytest.mark.parametrize("bad", ["-1", "soon"])
+def test_every_numeric_flag_names_its_range(
+    command: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make = router_parser if command == "pd-router" else demo_parser
+    engines = ENGINES if command == "pd-router" else []
+    flags = list(_numeric(make()[1]))
+    assert "--port" in flags and (command == "pd-router" or "--ttft" in flags)
+    for flag in flags:
+        parser, actions = make()
+        with pytest.raises(SystemExit) as exit_info:
+            parse_router_args(parser, actions, [*engines, flag, bad], {})
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert exit_info.value.code == 2, flag
+        assert re.search(rf"argument {flag}: must be .*(>=? \d|from 0 to 65535)", error), error
 
 
 @pytest.mark.parametrize(
@@ -289,3 +315,43 @@ def test_the_demo_refuses_engines_from_its_config_file(
         parse(["--config", str(path)], {})
     assert exit_info.value.code == 2
     assert "the demo starts its own engines" in capsys.readouterr().err
+
+
+def help_entries(*argv: str) -> dict[str, str]:
+    """``--help``, as each option's invocation (flag and metavar) -> its help text."""
+    done = run(*argv, "--help", env={"COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    entries: dict[str, str] = {}
+    options = done.stdout.split("options:\n", 1)[1]
+    for block in re.split(r"\n(?=  -)", options):
+        invocation, _, text = block.strip().partition("  ")
+        entries[invocation.strip()] = " ".join(text.split())
+    return entries
+
+
+def test_help_shows_each_default_and_unit() -> None:
+    entries = help_entries()
+    assert entries["--queue-timeout SECONDS"].endswith("(default: 0)")
+    assert entries["--port PORT"].endswith("(default: 8000)")
+    assert entries["--read-timeout SECONDS"].endswith("(default: 600)")
+    assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
+    assert entries["--access-log, --no-access-log"].endswith("(default: off)")
+    unset = {"-h, --help", "--admin-token TOKEN", "--config FILE"}
+    missing = [
+        invocation
+        for invocation, text in entries.items()
+        if "(default: " not in text
+        and invocation not in unset
+        and not invocation.startswith(("--prefill", "--decode "))
+    ]
+    assert missing == []
+
+
+def test_demo_help_shows_the_demos_own_defaults() -> None:
+    entries = help_entries("demo")
+    assert entries["--decode-slots N"].endswith("(default: 4)")
+    assert entries["--queue-timeout SECONDS"].endswith("(default: 10)")
+    assert entries["--decode-nodes N"].endswith("(default: 2)")
+    assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
+    assert entries["--itl SECONDS"].endswith("(default: 0.02)")
+    assert not any(invocation.startswith("--prefill") for invocation in entries)
