@@ -1,7 +1,8 @@
 """The command line's first five minutes: bad values refused in one line before anything
 starts, a taken port refused with a hint (and no engines left behind by the demo),
-``--port 0``, defaults in ``--help``, the demo's settings from every source. The real CLI
-runs as a subprocess, except where only parsing is checked."""
+``--port 0``, defaults in ``--help``, the demo's settings from every source, and the
+prefill rows of ``pd-router status``. The real CLI runs as a subprocess, except where
+only parsing is checked."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 
 from pd_router.cli import parse_router_args, router_parser
 from pd_router.demo import demo_parser, parse
+from pd_router.status import format_table, from_admin, from_metrics
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.
 ENGINES = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
@@ -355,3 +357,29 @@ def test_demo_help_shows_the_demos_own_defaults() -> None:
     assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
     assert entries["--itl SECONDS"].endswith("(default: 0.02)")
     assert not any(invocation.startswith("--prefill") for invocation in entries)
+
+
+def test_status_shows_a_prefill_nodes_slots_from_either_source() -> None:
+    labels = 'node="0",url="http://p0:8100",role="prefill"'
+    metrics = f"""
+# TYPE pd_router_queue_depth gauge
+pd_router_queue_depth 0.0
+# TYPE pd_router_node_slots gauge
+pd_router_node_slots{{{labels}}} 1.0
+# TYPE pd_router_node_slots_in_use gauge
+pd_router_node_slots_in_use{{{labels}}} 0.0
+"""
+    node = {
+        "id": 0,
+        "url": "http://p0:8100",
+        "role": "prefill",
+        "state": "serving",
+        "slots": 1,
+        "in_use": 0,
+        "bound_requests": [],
+        "consecutive_failures": 0,
+    }
+    admin = {"nodes": [node], "queue_depth": 0, "in_flight": 0}
+    for snapshot in (from_metrics(metrics), from_admin(admin)):
+        row = format_table(snapshot, "http://r").splitlines()[-1].split()
+        assert (row[1], row[3]) == ("prefill", "0/1")
