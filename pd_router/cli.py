@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
+import logging
 import os
 import socket
 import sys
@@ -27,14 +29,28 @@ from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
 from .upstream import MAX_RESPONSE_BYTES, Upstream
 
+log = logging.getLogger("pd_router")
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")  # fails every range check below
+
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -48,16 +64,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 0 to 65535 (0: any free port), got {text!r}"
+        )
+    return value
+
+
 # (flag, type, default, metavar, help): one table, so every option reads the same way.
 OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
-    ("--host", str, "127.0.0.1", None, "address to listen on"),
-    ("--port", int, 8000, None, "port to listen on"),
+    ("--host", str, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
+    ("--port", _port, 8000, "PORT", "port to listen on; 0 picks a free one, which is logged"),
     ("--decode-slots", _positive, 1, "N",
      "sequences each decode node serves at once, unless the node says otherwise"),
     ("--queue-timeout", _seconds, 0.0, "SECONDS",
      "wait up to this long for a free decode slot; 0 fails fast with 429"),
-    ("--connect-timeout", _seconds, 5.0, "SECONDS", "give up connecting to an engine"),
-    ("--read-timeout", _seconds, 600.0, "SECONDS",
+    ("--connect-timeout", _timeout, 5.0, "SECONDS", "give up connecting to an engine"),
+    ("--read-timeout", _timeout, 600.0, "SECONDS",
      "give up on an engine that sends nothing for this long"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
@@ -71,7 +100,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "as they come and not limited"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
-    ("--health-timeout", _seconds, 1.0, "SECONDS",
+    ("--health-timeout", _timeout, 1.0, "SECONDS",
      "a slower probe counts as a (soft) failure, unless the router itself lagged"),
     ("--unhealthy-after", _positive, 3, "N",
      "failures in a row that make a node unhealthy (no new requests; soft: slow, 5xx) "
@@ -82,7 +111,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "a decode node whose started streams all sent nothing for this long is hung: those "
      "streams end with an error and it gets no new requests for as long; 0 turns it off"),
     ("--admin-token", str, None, "TOKEN",
-     "enable /admin/* behind this bearer token (off when unset)"),
+     "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
      "on SIGTERM, how long in-flight requests get to finish before they are failed"),
 ]  # fmt: skip
@@ -91,38 +120,55 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
 def add_router_flags(
     parser: argparse.ArgumentParser, *, engines: bool = True
 ) -> list[argparse.Action]:
-    """Add the router's flags; returns them, for the other sources of settings."""
+    """Add the router's flags; returns them, for the other sources of settings.
+
+    Without ``engines`` (the demo starts its own) ``--prefill`` and ``--decode`` are hidden
+    and optional, yet known in every source: the caller refuses them in its own words.
+    """
     actions: list[argparse.Action] = []
 
     def add(flag: str, **kwargs: Any) -> None:
         actions.append(parser.add_argument(flag, **kwargs))
 
-    if engines:
-        add(
-            "--prefill",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL",
-            help="prefill engine base URL (repeat or list several)",
-        )
-        add(
-            "--decode",
-            action="extend",
-            nargs="+",
-            required=True,
-            metavar="URL[,slots=N]",
-            help="decode engine base URL, optionally with its own slot count",
-        )
+    def engine_help(text: str) -> str:
+        return text if engines else argparse.SUPPRESS
+
+    add(
+        "--prefill",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL",
+        help=engine_help("prefill engine base URL (repeat or list several)"),
+    )
+    add(
+        "--decode",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL[,slots=N]",
+        help=engine_help("decode engine base URL, optionally with its own slot count"),
+    )
     for flag, kind, default, metavar, text in OPTIONS:
         add(flag, type=kind, default=default, metavar=metavar, help=text)
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log lines shown",
+    )
     add("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
     add(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="log every HTTP request (uvicorn)",
+    )
+    add(
+        "--config",
+        metavar="FILE",
+        help="TOML file of settings, keys named as the flags with _ for - (queue_timeout) "
+        "(default: $PD_ROUTER_CONFIG)",
     )
     return actions  # fmt: skip
 
@@ -137,7 +183,11 @@ def parse_router_args(
     options = config.options_of(actions)
     # Only now may argparse forget defaults and requirements: a flag it leaves out of the
     # namespace is one the command line did not give, which a lower source may fill in.
+    # --help is shown after that, so the defaults go into the help text first (the demo's
+    # own ones, where it changed them).
     for action in actions:
+        if action.default is not None and action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help} (default: {_shown(action.default)})"
         action.default = argparse.SUPPRESS
         action.required = False
     given = vars(parser.parse_args(argv))
@@ -145,6 +195,14 @@ def parse_router_args(
         return argparse.Namespace(**config.resolve(options, given, environ))
     except config.ConfigError as exc:
         parser.error(str(exc))
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
 
 
 def build_router(args: argparse.Namespace) -> Router:
@@ -170,6 +228,14 @@ class _Server(uvicorn.Server):
         self._router = router
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn names the address only of sockets it bound itself; this line is also the
+        # one that tells which port --port 0 got.
+        for sock in sockets or ():
+            host, port = sock.getsockname()[:2]
+            log.info("listening on http://%s", address(host, port))
+
     async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super()._serve(sockets)
@@ -184,7 +250,37 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(args: argparse.Namespace, router: Router) -> None:
+def listen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> socket.socket:
+    """The router's socket, bound and listening before anything else starts, so that a taken
+    address is one line and exit 2 rather than a banner, uvicorn's start-up, then its error
+    (and, for the demo, engines started for nothing). Port 0 becomes the port the system
+    chose, so that the messages after this one name the real port."""
+    # As uvicorn decides it: a colon makes an IPv6 address; names resolve as IPv4.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A restart need not wait for the last run's connections to leave TIME_WAIT; a port
+        # another process listens on is still refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        if exc.errno == errno.EADDRINUSE:
+            reason += "; pass --port to choose another (or --port 0 for any free port)"
+        where = address(args.host, args.port)
+        parser.exit(2, f"{parser.prog}: error: cannot listen on {where}: {reason}\n")
+    args.port = sock.getsockname()[1]
+    return sock
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as it goes in a URL."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None:
     logs.configure(args.log_level, args.log_format)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
@@ -209,7 +305,7 @@ def serve(args: argparse.Namespace, router: Router) -> None:
         timeout_keep_alive=75,
     )
     _settle_heap()
-    _Server(config, router).run()
+    _Server(config, router).run(sockets=[sock])
 
 
 def _settle_heap() -> None:
@@ -230,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
-        demo_main(argv[1:])
+        demo_main(argv[1:], os.environ)
         return
     if argv[:1] == ["status"]:
         from .status import main as status_main
@@ -242,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         router = build_router(args)
     except ValueError as exc:
         parser.error(str(exc))
-    serve(args, router)
+    serve(args, router, listen(parser, args))
 
 
 def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
@@ -256,13 +352,4 @@ def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         "`pd-router demo` runs the router in front of simulated engines on loopback; "
         "`pd-router status` shows a running router's nodes.",
     )
-    actions = add_router_flags(parser)
-    actions.append(
-        parser.add_argument(
-            "--config",
-            metavar="FILE",
-            help="TOML file of settings: keys are the flags' names with _ (queue_timeout); "
-            "default $PD_ROUTER_CONFIG",
-        )
-    )
-    return parser, actions
+    return parser, add_router_flags(parser)

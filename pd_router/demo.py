@@ -2,38 +2,80 @@
 
 One prefill and ``--decode-nodes`` decode engines (``pd_router.sim``) start as their own
 processes on free 127.0.0.1 ports; the router serves in this process and the engines are
-stopped, by PID, when it exits.
+stopped, by PID, when it exits. Settings come from the same sources as ``pd-router``'s
+(``cli.parse_router_args``), over the demo's own defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from .cli import add_router_flags, build_router, serve
+from .cli import (
+    _positive,
+    _seconds,
+    add_router_flags,
+    address,
+    build_router,
+    listen,
+    parse_router_args,
+    serve,
+)
 from .sim.fleet import SimFleet
 
+# Unlike the router's: enough slots and patience that a few curls at once queue, not 429.
+DEFAULTS = {"decode_slots": 4, "queue_timeout": 10.0}
 
-def main(argv: Sequence[str]) -> None:
+
+def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     parser = argparse.ArgumentParser(
         prog="pd-router demo",
-        description="Run pd-router in front of simulated prefill and decode engines.",
+        description="Run pd-router in front of simulated prefill and decode engines on "
+        "127.0.0.1. It takes pd-router's flags (but starts its own engines), "
+        "PD_ROUTER_<FLAG> variables and --config FILE as pd-router does; the defaults shown "
+        "are the demo's.",
     )
-    add_router_flags(parser, engines=False)
-    parser.add_argument("--decode-nodes", type=int, default=2, help="simulated decode engines")
-    parser.add_argument("--ttft", type=float, default=0.05, help="simulated time to first token")
-    parser.add_argument("--itl", type=float, default=0.02, help="simulated seconds between tokens")
-    parser.set_defaults(decode_slots=4, queue_timeout=10.0)
-    args = parser.parse_args(argv)
+    actions = add_router_flags(parser, engines=False)
+    # On the actions, not parser.set_defaults: argparse would put a parser-level default in
+    # the namespace as if given on the command line, above the environment and the file.
+    for action in actions:
+        action.default = DEFAULTS.get(action.dest, action.default)
+    for flag, kind, default, metavar, text in [
+        ("--decode-nodes", _positive, 2, "N", "simulated decode engines"),
+        ("--ttft", _seconds, 0.05, "SECONDS", "simulated time to first token"),
+        ("--itl", _seconds, 0.02, "SECONDS", "simulated time between tokens"),
+    ]:
+        actions.append(
+            parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+        )
+    return parser, actions
+
+
+def parse(
+    argv: Sequence[str], environ: Mapping[str, str]
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser, actions = demo_parser()
+    args = parse_router_args(parser, actions, argv, environ)
+    if args.prefill or args.decode:
+        parser.error(
+            "the demo starts its own engines: --prefill and --decode (PD_ROUTER_PREFILL, "
+            "PD_ROUTER_DECODE, prefill and decode in the config file) do not apply"
+        )
+    return parser, args
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
+    parser, args = parse(argv, environ)
+    sock = listen(parser, args)
     decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl)]
     with SimFleet(prefill=1, decode=args.decode_nodes, decode_args=decode_args) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]
         print(
             f"pd-router demo: prefill {' '.join(args.prefill)}, decode {' '.join(args.decode)}; "
-            f"try: curl http://{args.host}:{args.port}/v1/completions "
+            f"try: curl http://{address(args.host, args.port)}/v1/completions "
             '-H "Content-Type: application/json" '
             """-d '{"model": "sim-model", "prompt": "hello pd router", "max_tokens": 8}'""",
             flush=True,
         )
-        serve(args, build_router(args))
+        serve(args, build_router(args), sock)

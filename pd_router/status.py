@@ -137,8 +137,9 @@ def format_table(snapshot: Snapshot, router: str) -> str:
     header += ["REQUESTS"] * with_requests + ["URL"] + ["LABELS"] * with_labels
     table = [header]
     for node in nodes:
-        # Prefill engines take no slot from the router: a count there would mean nothing.
-        slots = f"{node.in_use}/{node.slots}" if node.role == "decode" else "-"
+        # Prefill nodes' too: /metrics and /admin/nodes give them, and a "-" read as a
+        # value the source did not have.
+        slots = f"{node.in_use}/{node.slots}"
         row = [str(node.id), node.role, node.state, slots, str(node.failures)]
         if with_requests:
             row.append("-" if node.requests is None else str(node.requests))

@@ -92,7 +92,7 @@ def test_status_from_metrics_lists_every_node(router: RouterProcess, fleet: SimF
     assert done.returncode == 0, done.stderr
     table = rows(done.stdout)
     prefill, d0, d1 = fleet.prefill[0].url, fleet.decode[0].url, fleet.decode[1].url
-    assert table[prefill][:5] == ["0", "prefill", "serving", "-", "0"]
+    assert table[prefill][:5] == ["0", "prefill", "serving", "0/1", "0"]
     assert table[d0][:5] == ["1", "decode", "serving", "0/8", "0"]
     assert table[d1][:5] == ["2", "decode", "serving", "0/4", "0"]
     dead = next(cells for url, cells in table.items() if url not in (prefill, d0, d1))
@@ -196,7 +196,7 @@ def test_format_table() -> None:
         "2 queued, 3 in flight\n"
         "\n"
         "ID  ROLE     STATE      SLOTS  FAILURES  REQUESTS  URL             LABELS\n"
-        "0   prefill  serving    -      0         -         http://p0:8100  zone=a\n"
+        "0   prefill  serving    0/1    0         -         http://p0:8100  zone=a\n"
         "1   decode   draining   3/8    0         3         http://d0:8200  gpu=h100\n"
         "2   decode   dead       0/4    5         0         http://d1:8200\n"
         "3   decode   unhealthy  1/4    0         1         http://d2:8200\n"

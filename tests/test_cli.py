@@ -1,0 +1,385 @@
+"""The command line's first five minutes: bad values refused in one line before anything
+starts, a taken port refused with a hint (and no engines left behind by the demo),
+``--port 0``, defaults in ``--help``, the demo's settings from every source, and the
+prefill rows of ``pd-router status``. The real CLI runs as a subprocess, except where
+only parsing is checked."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess  # nosec B404
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from pd_router.cli import parse_router_args, router_parser
+from pd_router.demo import demo_parser, parse
+from pd_router.status import format_table, from_admin, from_metrics
+
+# Engines nobody listens on: enough for the router to start, or to refuse other flags.
+ENGINES = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+IN_USE = "address already in use; pass --port to choose another (or --port 0 for any free port)"
+
+
+def environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """This environment without the tester's own PD_ROUTER_* settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PD_ROUTER_")}
+    return {**env, **extra}
+
+
+def run(*argv: str, env: Mapping[str, str] = {}) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # nosec B603
+        [sys.executable, "-m", "pd_router", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=environment(env),
+    )
+
+
+def refusal(done: subprocess.CompletedProcess[str]) -> str:
+    """The one error line of a start refused with exit 2; before it only argparse's usage."""
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    *usage, last = done.stderr.splitlines()
+    assert ": error: " in last, done.stderr
+    assert all(line.startswith(("usage: ", " ")) for line in usage), done.stderr
+    return last
+
+
+def listening(family: socket.AddressFamily, host: str) -> socket.socket:
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+    except OSError:
+        pytest.skip(f"no {host} here")
+    sock.listen()
+    return sock
+
+
+def marked(mark: str) -> list[int]:
+    """Live processes that inherited ``mark`` in their environment from a test's command."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # someone else's, or gone meanwhile
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (
+            [*ENGINES, "--port", "70000"],
+            {},
+            "pd-router: error: argument --port: must be a whole number from 0 to 65535 "
+            "(0: any free port), got '70000'",
+        ),
+        (
+            [*ENGINES],
+            {"PD_ROUTER_PORT": "-1"},
+            "pd-router: error: PD_ROUTER_PORT: must be a whole number from 0 to 65535",
+        ),
+        (
+            [*ENGINES, "--connect-timeout", "0"],
+            {},
+            "pd-router: error: argument --connect-timeout: must be a number of seconds > 0",
+        ),
+        (
+            ["demo", "--ttft", "-1"],
+            {},
+            "pd-router demo: error: argument --ttft: must be a number of seconds >= 0, got '-1'",
+        ),
+        (
+            ["demo", "--itl", "-1"],
+            {},
+            "pd-router demo: error: argument --itl: must be a number of seconds >= 0, got '-1'",
+        ),
+        (
+            ["demo", "--decode-nodes", "0"],
+            {},
+            "pd-router demo: error: argument --decode-nodes: must be a whole number >= 1, got '0'",
+        ),
+        (
+            ["demo", "--port", "65536"],
+            {},
+            "pd-router demo: error: argument --port: must be a whole number from 0 to 65535",
+        ),
+        (
+            ["demo"],
+            {"PD_ROUTER_DECODE_NODES": "0"},
+            "pd-router demo: error: PD_ROUTER_DECODE_NODES: must be a whole number >= 1",
+        ),
+        (
+            ["demo", "--prefill", "http://127.0.0.1:9"],
+            {},
+            "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
+        ),
+    ],
+)
+def test_a_bad_value_is_one_line_and_exit_2(
+    argv: list[str], env: dict[str, str], expected: str
+) -> None:
+    assert refusal(run(*argv, env=env)).startswith(expected)
+
+
+def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "demo.toml"
+    path.write_text("port = 70000\n")
+    line = refusal(run("demo", "--config", str(path)))
+    assert line.startswith(f"pd-router demo: error: {path}: port: must be a whole number from 0")
+
+
+def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
+    for action in actions:
+        if action.type is not None and action.type is not str:
+            yield action.option_strings[0]
+
+
+@pytest.mark.parametrize("command", ["pd-router", "pd-router demo"])
+@pytest.mark.parametrize("bad", ["-1", "soon"])
+def test_every_numeric_flag_names_its_range(
+    command: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make = router_parser if command == "pd-router" else demo_parser
+    engines = ENGINES if command == "pd-router" else []
+    flags = list(_numeric(make()[1]))
+    assert "--port" in flags and (command == "pd-router" or "--ttft" in flags)
+    for flag in flags:
+        parser, actions = make()
+        with pytest.raises(SystemExit) as exit_info:
+            parse_router_args(parser, actions, [*engines, flag, bad], {})
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert exit_info.value.code == 2, flag
+        assert re.search(rf"argument {flag}: must be .*(>=? \d|from 0 to 65535)", error), error
+
+
+@pytest.mark.parametrize(
+    ("family", "host", "shown"),
+    [(socket.AF_INET, "127.0.0.1", "127.0.0.1"), (socket.AF_INET6, "::1", "[::1]")],
+)
+def test_a_taken_port_is_one_line_with_a_hint(
+    family: socket.AddressFamily, host: str, shown: str
+) -> None:
+    with listening(family, host) as taken:
+        port = taken.getsockname()[1]
+        done = run(*ENGINES, "--host", host, "--port", str(port))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"pd-router: error: cannot listen on {shown}:{port}: {IN_USE}\n"
+
+
+def test_the_demo_on_a_taken_port_starts_no_engine() -> None:
+    mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
+    seen: set[int] = set()
+    with listening(socket.AF_INET, "127.0.0.1") as taken:
+        port = taken.getsockname()[1]
+        demo = subprocess.Popen(  # nosec B603
+            [sys.executable, "-m", "pd_router", "demo", "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment({"CLI_TEST_MARK": mark}),
+        )
+        # Watched while it runs: engines started, then stopped on the way out, would leave
+        # no trace afterwards.
+        deadline = time.monotonic() + 30
+        while demo.poll() is None and time.monotonic() < deadline:
+            seen.update(marked(mark))
+            time.sleep(0.01)
+        if demo.poll() is None:
+            demo.kill()
+        stdout, stderr = demo.communicate()
+    engines = sorted(seen - {demo.pid})
+    for pid in marked(mark):
+        os.kill(pid, signal.SIGKILL)
+    assert engines == [], "the demo started simulated engines"
+    # No banner: it is printed once the engines are up.
+    assert demo.returncode == 2 and stdout == ""
+    assert stderr == f"pd-router demo: error: cannot listen on 127.0.0.1:{port}: {IN_USE}\n"
+
+
+class Running:
+    """The CLI as a process of ours, its output read as it comes."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] = {}) -> None:
+        self.process = subprocess.Popen(  # nosec B603
+            [sys.executable, "-m", "pd_router", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=environment(env),
+        )
+        self.output = {"stdout": b"", "stderr": b""}
+
+    def wait_for(self, stream: str, pattern: str, timeout: float = 20.0) -> re.Match[bytes]:
+        """The first match of ``pattern`` in what the process wrote to ``stream``."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for name in self.output:
+                selector.register(getattr(self.process, name), selectors.EVENT_READ, name)
+            while not (found := re.search(pattern.encode(), self.output[stream])):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {pattern!r} in {self.output}"
+                for key, _ in selector.select(left):
+                    self.output[key.data] += os.read(key.fd, 65536)
+                assert self.process.poll() is None, f"exited early: {self.output}"
+        return found
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=20)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        assert self.process.stdout is not None and self.process.stderr is not None
+        self.process.stdout.close()
+        self.process.stderr.close()
+        return code
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:  # nosec B310
+        body: bytes = response.read()
+        return body
+
+
+@pytest.mark.parametrize(("host", "shown"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_port_0_serves_and_logs_the_port_it_got(host: str, shown: str) -> None:
+    if host == "::1":
+        listening(socket.AF_INET6, host).close()  # skips without IPv6
+    router = Running([*ENGINES, "--host", host, "--port", "0", "--health-interval", "0"])
+    try:
+        port = int(router.wait_for("stderr", rf"listening on http://{re.escape(shown)}:(\d+)")[1])
+        assert port != 0
+        assert b"pd_router_queue_depth" in get(f"http://{shown}:{port}/metrics")
+    finally:
+        assert router.stop() == 0
+
+
+def test_the_demo_takes_a_config_file_and_the_environment(tmp_path: Path) -> None:
+    """File over the demo's defaults, environment over the file; port 0 is in the banner."""
+    path = tmp_path / "demo.toml"
+    path.write_text("port = 0\ndecode_nodes = 1\ndecode_slots = 2\nttft = 0\nitl = 0\n")
+    mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
+    env = {"PD_ROUTER_DECODE_SLOTS": "3", "CLI_TEST_MARK": mark}
+    demo = Running(["demo", "--config", str(path)], env)
+    try:
+        url = demo.wait_for("stdout", r"try: curl (http://127\.0\.0\.1:(\d+))/v1/completions")
+        assert int(url[2]) != 0
+        metrics = get(url[1].decode() + "/metrics").decode()
+        decode = re.findall(r'pd_router_node_slots\{[^}]*role="decode"[^}]*\} (\S+)', metrics)
+        assert decode == ["3.0"]  # one decode node (the file), three slots (the environment)
+        request = urllib.request.Request(
+            url[1].decode() + "/v1/completions",
+            data=b'{"model": "sim-model", "prompt": "hello cli", "max_tokens": 2}',
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310
+            assert b"hello cli" in response.read()
+    finally:
+        assert demo.stop() == 0
+    assert marked(mark) == [], "simulated engines left running"
+
+
+def test_the_demos_defaults_are_under_every_source(tmp_path: Path) -> None:
+    defaults = parse([], {})[1]
+    assert (defaults.decode_slots, defaults.queue_timeout, defaults.decode_nodes) == (4, 10.0, 2)
+    assert (defaults.ttft, defaults.itl, defaults.port) == (0.05, 0.02, 8000)
+    path = tmp_path / "demo.toml"
+    path.write_text("decode_slots = 2\nqueue_timeout = 0\n")
+    config = ["--config", str(path)]
+    assert parse(config, {})[1].decode_slots == 2
+    assert parse(config, {"PD_ROUTER_DECODE_SLOTS": "3"})[1].decode_slots == 3
+    args = parse([*config, "--decode-slots", "5"], {"PD_ROUTER_DECODE_SLOTS": "3"})[1]
+    assert (args.decode_slots, args.queue_timeout) == (5, 0.0)
+
+
+def test_the_demo_refuses_engines_from_its_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "demo.toml"
+    path.write_text('decode = ["http://127.0.0.1:9"]\n')
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--config", str(path)], {})
+    assert exit_info.value.code == 2
+    assert "the demo starts its own engines" in capsys.readouterr().err
+
+
+def help_entries(*argv: str) -> dict[str, str]:
+    """``--help``, as each option's invocation (flag and metavar) -> its help text."""
+    done = run(*argv, "--help", env={"COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    entries: dict[str, str] = {}
+    options = done.stdout.split("options:\n", 1)[1]
+    for block in re.split(r"\n(?=  -)", options):
+        invocation, _, text = block.strip().partition("  ")
+        entries[invocation.strip()] = " ".join(text.split())
+    return entries
+
+
+def test_help_shows_each_default_and_unit() -> None:
+    entries = help_entries()
+    assert entries["--queue-timeout SECONDS"].endswith("(default: 0)")
+    assert entries["--port PORT"].endswith("(default: 8000)")
+    assert entries["--read-timeout SECONDS"].endswith("(default: 600)")
+    assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
+    assert entries["--access-log, --no-access-log"].endswith("(default: off)")
+    unset = {"-h, --help", "--admin-token TOKEN", "--config FILE"}
+    missing = [
+        invocation
+        for invocation, text in entries.items()
+        if "(default: " not in text
+        and invocation not in unset
+        and not invocation.startswith(("--prefill", "--decode "))
+    ]
+    assert missing == []
+
+
+def test_demo_help_shows_the_demos_own_defaults() -> None:
+    entries = help_entries("demo")
+    assert entries["--decode-slots N"].endswith("(default: 4)")
+    assert entries["--queue-timeout SECONDS"].endswith("(default: 10)")
+    assert entries["--decode-nodes N"].endswith("(default: 2)")
+    assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
+    assert entries["--itl SECONDS"].endswith("(default: 0.02)")
+    assert not any(invocation.startswith("--prefill") for invocation in entries)
+
+
+def test_status_shows_a_prefill_nodes_slots_from_either_source() -> None:
+    labels = 'node="0",url="http://p0:8100",role="prefill"'
+    metrics = f"""
+# TYPE pd_router_queue_depth gauge
+pd_router_queue_depth 0.0
+# TYPE pd_router_node_slots gauge
+pd_router_node_slots{{{labels}}} 1.0
+# TYPE pd_router_node_slots_in_use gauge
+pd_router_node_slots_in_use{{{labels}}} 0.0
+"""
+    node = {
+        "id": 0,
+        "url": "http://p0:8100",
+        "role": "prefill",
+        "state": "serving",
+        "slots": 1,
+        "in_use": 0,
+        "bound_requests": [],
+        "consecutive_failures": 0,
+    }
+    admin = {"nodes": [node], "queue_depth": 0, "in_flight": 0}
+    for snapshot in (from_metrics(metrics), from_admin(admin)):
+        row = format_table(snapshot, "http://r").splitlines()[-1].split()
+        assert (row[1], row[3]) == ("prefill", "0/1")
