@@ -256,6 +256,9 @@ class Upstream:
         idle = self._idle.setdefault(origin, {})
         conn.idle_since = time.monotonic()
         conn.on_lost = lambda lost: idle.pop(lost, None)
+        # Closed when too old even if no request comes to find it so (which ``_pooled``
+        # also checks, for a loop that ran the timer late).
+        conn.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, conn.close)
         idle[conn] = None
 
     def _pooled(self, origin: Origin) -> EngineConnection | None:
@@ -266,6 +269,9 @@ class Upstream:
         while idle:
             conn, _ = idle.popitem()
             conn.on_lost = None
+            if conn.idle_timer is not None:
+                conn.idle_timer.cancel()
+                conn.idle_timer = None
             if conn.idle_since >= too_old and conn.reusable:
                 return conn
             conn.close()

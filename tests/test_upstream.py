@@ -485,6 +485,22 @@ async def test_a_connection_idle_longer_than_keepalive_is_not_reused(
     assert [len(conn.requests) for conn in engine.connections] == [2, 1]
 
 
+async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_find_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upstream_module, "KEEPALIVE_SECONDS", 0.05)
+
+    async def handler(conn: Conn) -> None:
+        await serve_requests(conn, answer(200, b"ok"))
+
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "a") as response:
+            assert await response.read() == b"ok"
+        assert len(idle(client)) == 1
+        await within(engine.connections[0].gone.wait())
+        await until(lambda: idle(client) == [])
+
+
 async def test_an_answer_saying_connection_close_is_not_pooled() -> None:
     async def handler(conn: Conn) -> None:
         await conn.request()
