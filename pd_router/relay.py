@@ -9,15 +9,17 @@ Cancellation contract:
 
 * uvicorn never cancels the app when a client leaves; a watcher task reads ``receive()``
   and cancels the relay on ``http.disconnect``. Queued: the waiter leaves the queue at
-  once. Prefill or decode: the upstream connection is closed, so the engine aborts. The
+  once. Decode streaming: the upstream connection is closed, so the engine aborts. The
   ASGI server also reports ``http.disconnect`` once the response is complete; that is
   how the watcher ends, so it needs no task group and no cancellation.
-* The hand-off (prefill answered -> decode engine has the KV: a non-streamed answer's
+* From the prefill request to the decode engine having the KV (a non-streamed answer's
   headers, a streamed answer's first bytes, since vLLM sends a stream's headers before it
-  pulls the blocks) is shielded: the prefill engine holds the KV until the decode engine
-  pulls it or a lease runs out, so a client leaving there must not strand it. If the
-  client is already gone when decode starts, a one-token "drain" request is sent
-  instead; either way the hand-off is bounded by ``handoff_grace`` once the client left.
+  pulls the blocks) the relay is shielded: the prefill engine pins the KV as it answers
+  and holds it until a decode engine pulls it or a lease runs out, so a client leaving
+  there must not strand it (closing the prefill connection cannot tell an engine that
+  has just answered). Once the client left, the engines get ``handoff_grace`` in all:
+  a prefill answered in time goes on to a one-token "drain" decode request that pulls
+  the KV; one not answered in time is closed, and the engine aborts.
 * ``fail(error)`` (a node died, an operator aborted, shutdown ran out of time) cancels the
   relay from outside, shield included; ``error`` becomes the client's terminal outcome.
 """
@@ -25,9 +27,10 @@ Cancellation contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +128,11 @@ class Relay:
                     log.exception("request %s failed inside the router", self.request_id)
                     error = RouterError("internal router error")
             error = self._failure or error
-            if error is not None:
+            if client.answered:
+                # Whatever happened after (the engine died as its stream ended), the
+                # request was served.
+                self.outcome = "ok"
+            elif error is not None:
                 self.outcome = error.outcome or self.outcome
                 await client.fail(error)
         finally:
@@ -221,6 +228,8 @@ class Relay:
         self.outcome = "prefill_error"
         prefill_started = time.perf_counter()
         prefilled = await self._prefill(binding)
+        if prefilled is None:
+            return
         self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled)
@@ -267,8 +276,9 @@ class Relay:
         self._decode_node = other.node
         return await self._handoff_to(other.node, prefilled)
 
-    async def _prefill(self, binding: Binding) -> handshake.Prefilled:
-        """Prefill on the next live node; once more on another one if that engine failed."""
+    async def _prefill(self, binding: Binding) -> handshake.Prefilled | None:
+        """Prefill on the next live node; once more on another one if that engine failed.
+        None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         first = prefill.pick()
         if first is None:
@@ -276,7 +286,8 @@ class Relay:
         try:
             return await self._prefill_on(first, binding)
         except UpstreamError as error:
-            second = prefill.pick(avoid=first) if error.engine_fault else None
+            retry = error.engine_fault and not self.client_gone
+            second = prefill.pick(avoid=first) if retry else None
             if second is None:
                 raise
             log.warning(
@@ -288,33 +299,37 @@ class Relay:
             )
             return await self._prefill_on(second, binding)
 
-    async def _prefill_on(self, node: Node, binding: Binding) -> handshake.Prefilled:
+    async def _prefill_on(self, node: Node, binding: Binding) -> handshake.Prefilled | None:
         fleet = self.router.fleet
         fleet.set_prefill(binding, node)
         self._prefill_node = node
+        prefilled = None
         try:
-            answer = await self._send(node, handshake.prefill_body(self.body))
-            try:
-                if answer.status != 200:
-                    raise await answer.error()
-                raw = await answer.read()
+            # The engine pins the KV as it answers: a client leaving now must not strand it.
+            with self._engine_has_it():
+                answer = await self._send(node, handshake.prefill_body(self.body))
                 try:
-                    prefilled = handshake.Prefilled(orjson.loads(raw))
-                except ValueError as exc:  # not JSON (orjson's error is one), or no KV params
-                    reason = (
-                        "answer is not JSON" if isinstance(exc, orjson.JSONDecodeError) else exc
-                    )
-                    raise UpstreamError(f"{answer.url}: {reason}") from None
-            except UpstreamError as error:
-                raise self._engine_failed(node, error) from None
-            finally:
-                # Read to its end: the connection goes back to the pool now, not when the
-                # request ends.
-                self._open.remove(answer)
-                answer.close()
+                    if answer.status != 200:
+                        raise await answer.error()
+                    raw = await answer.read()
+                    try:
+                        prefilled = handshake.Prefilled(orjson.loads(raw))
+                    except ValueError as exc:  # not JSON (orjson's error is one), or no KV
+                        reason = (
+                            "answer is not JSON" if isinstance(exc, orjson.JSONDecodeError) else exc
+                        )
+                        raise UpstreamError(f"{answer.url}: {reason}") from None
+                except UpstreamError as error:
+                    raise self._engine_failed(node, error) from None
+                finally:
+                    # Read to its end: the connection goes back to the pool now, not when
+                    # the request ends.
+                    self._open.remove(answer)
+                    answer.close()
         finally:
             fleet.set_prefill(binding, None)
-        fleet.served(node)
+        if prefilled is not None:
+            fleet.served(node)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
@@ -325,30 +340,40 @@ class Relay:
         when the client left and the engine did not get that far within the grace.
         """
         params = prefilled.kv_transfer_params
-        with anyio.CancelScope(shield=True) as handoff:
-            self._handoff = handoff
+        with self._engine_has_it():
+            drain = self.client_gone
+            if drain:
+                body = handshake.drain_body(self.body, params)
+            else:
+                body = handshake.decode_body(self.body, params)
+            answer = await self._send(node, body)
+            first = b""
+            if answer.status == 200:
+                try:
+                    if drain:
+                        # The drain's one token: by then the KV has been pulled.
+                        await answer.read()
+                    elif self.stream:
+                        first = await answer.next_chunk()
+                except UpstreamError as error:
+                    raise self._engine_failed(node, error) from None
+            return answer, first
+        return None
+
+    @contextlib.contextmanager
+    def _engine_has_it(self) -> Iterator[anyio.CancelScope]:
+        """Shielded from the client's leaving, from the prefill request to the decode engine
+        taking the KV: the prefill engine pins the KV as it answers, and only a decode
+        engine's pull frees it before its lease runs out. A client that left gives the
+        engines ``handoff_grace`` (``_watch``); ``fail`` cancels at once."""
+        with anyio.CancelScope(shield=True) as guard:
+            self._handoff = guard
+            if self.client_gone:
+                guard.deadline = anyio.current_time() + self.router.settings.handoff_grace
             try:
-                drain = self.client_gone
-                if drain:
-                    handoff.deadline = anyio.current_time() + self.router.settings.handoff_grace
-                    body = handshake.drain_body(self.body, params)
-                else:
-                    body = handshake.decode_body(self.body, params)
-                answer = await self._send(node, body)
-                first = b""
-                if answer.status == 200:
-                    try:
-                        if drain:
-                            # The drain's one token: by then the KV has been pulled.
-                            await answer.read()
-                        elif self.stream:
-                            first = await answer.next_chunk()
-                    except UpstreamError as error:
-                        raise self._engine_failed(node, error) from None
-                return answer, first
+                yield guard
             finally:
                 self._handoff = None
-        return None
 
     async def _send(self, node: Node, body: dict[str, Any]) -> Response:
         """One request to ``node``; the answer is closed when the request ends, if not before."""
@@ -406,8 +431,10 @@ class Relay:
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")
-        # The rest is the end of the chunked body: read it so the connection is reused.
-        await answer.read()
+        # The rest is the end of the chunked body: read it so the connection is reused. The
+        # client has its whole answer: an engine failing now costs only the connection.
+        with contextlib.suppress(UpstreamError):
+            await answer.read()
 
     async def _relay_json(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled

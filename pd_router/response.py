@@ -39,6 +39,7 @@ class ClientStream:
         self._id_header = (b"x-request-id", request_id.encode())
         self.started = False
         self.finished = False
+        self.failed = False
         self.bytes_sent = 0
         self.status = 0
         # perf_counter() when the first byte of the answer went out: the router's TTFT.
@@ -63,9 +64,15 @@ class ClientStream:
     async def end_events(self, last: bytes) -> None:
         await self._body(last, more=False)
 
+    @property
+    def answered(self) -> bool:
+        """The client has its whole answer (not an error)."""
+        return self.finished and not self.failed and self.status == 200
+
     async def fail(self, error: RouterError) -> None:
         if self.finished:
             return
+        self.failed = True
         if not self.started:
             await self.respond(error.status, error.json(), error.headers)
         else:
