@@ -27,6 +27,7 @@ from .client_protocol import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
     IDLE_TIMEOUT,
+    LINGER,
     MAX_HEAD_BYTES,
     MIN_BODY_RATE,
     ClientLimits,
@@ -333,6 +334,9 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
         # uvicorn's loggers go through ours, so --log-format applies to them too.
         log_config=None,
         timeout_keep_alive=args.idle_timeout,
+        # The app fails what still runs at --shutdown-timeout; a client that does not read
+        # its stream would still hold uvicorn, which waits for every connection to close.
+        timeout_graceful_shutdown=args.shutdown_timeout + LINGER,
     )
     _settle_heap()
     _Server(config, router).run(sockets=[sock])

@@ -60,8 +60,8 @@ MIN_BODY_RATE = 1024
 # the router is just closing, and its request fails. 75 s is nginx's default, also well
 # above the 60 s idle timeout of the common cloud load balancers in front.
 IDLE_TIMEOUT = 75.0
-# A client that reads the answer closes within a round trip; one that does not read it
-# gets no more of a file descriptor than this.
+# A client that reads what it was sent does so within a round trip; one that does not gets
+# no more of a file descriptor, or of a shutdown, than this.
 LINGER = 2.0
 # File descriptors the process needs besides client and engine connections: the listening
 # socket, the event loop's, logs, a health probe per engine, engine connections pooled idle.

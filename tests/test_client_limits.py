@@ -245,3 +245,21 @@ def test_sigterm_does_not_wait_for_a_request_still_being_sent(fleet: SimFleet) -
         assert stream.completed() and stream.text == echo(stream.prompt, 40), stream.events[-2:]
         assert router.wait_exit(timeout=shutdown_timeout + 5) == 0, router.log()[-2000:]
         assert time.monotonic() - started < shutdown_timeout + 5
+
+
+def test_sigterm_does_not_wait_for_a_client_that_stopped_reading() -> None:
+    # Events of 20 kB as fast as the engine makes them: the router's buffers for a client
+    # that reads nothing fill within a second.
+    with SimFleet(decode_args=["--slots", "4", "--itl", "0.001"]) as fleet:
+        with router_for(fleet, "--shutdown-timeout", "1") as router:
+            body = {"model": "sim-model", "prompt": "w" * 20_000, "max_tokens": 4000}
+            with connect(router) as deaf:
+                deaf.sendall(request(json.dumps({**body, "stream": True}).encode()))
+                wait_for(lambda: router.in_use() == 1, what="the stream started")
+                time.sleep(1)
+                assert router.pid is not None
+                started = time.monotonic()
+                os.kill(router.pid, signal.SIGTERM)
+                # Shutdown timeout, then LINGER (2 s) for the failed stream's last words.
+                assert router.wait_exit(timeout=1 + 2 + 3) == 0, router.log()[-2000:]
+                assert time.monotonic() - started < 1 + 2 + 3
