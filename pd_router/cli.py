@@ -23,8 +23,19 @@ import uvicorn
 
 from . import config, logs
 from .app import MAX_BODY_BYTES, AppOptions, create_app
+from .client_protocol import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    IDLE_TIMEOUT,
+    LINGER,
+    MAX_HEAD_BYTES,
+    MIN_BODY_RATE,
+    ClientLimits,
+    ClientStats,
+    default_max_connections,
+    protocol,
+)
 from .fleet import Fleet
-from .head_limit import MAX_HEAD_BYTES, limited
 from .nodes import HealthPolicy, make_nodes
 from .relay import Router, Settings
 from .upstream import MAX_RESPONSE_BYTES, Upstream
@@ -98,6 +109,18 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--max-response-bytes", _positive, MAX_RESPONSE_BYTES, "BYTES",
      "largest non-streamed engine answer the router holds (502 above); streams are relayed "
      "as they come and not limited"),
+    ("--header-timeout", _seconds, HEADER_TIMEOUT, "SECONDS",
+     "a request line and headers must be complete this long after their first byte (a new "
+     "connection's: after it opened), or get 408 and the connection closed; 0: no limit"),
+    ("--body-timeout", _seconds, BODY_TIMEOUT, "SECONDS",
+     f"a request body must bring at least {MIN_BODY_RATE} bytes a second (or its end) in "
+     "each window this long, or get 408 and the connection closed; 0: no limit"),
+    ("--idle-timeout", _seconds, IDLE_TIMEOUT, "SECONDS",
+     "close a keep-alive connection idle this long; keep it above clients' own pool "
+     "timeouts (5 s for httpx and the openai SDK); 0 closes after each response"),
+    ("--max-connections", _positive, None, "N",
+     "client connections open at once; a new one beyond gets 503 too_many_connections "
+     "(default: half the open-file limit, less 64)"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
     ("--health-timeout", _timeout, 1.0, "SECONDS",
@@ -290,19 +313,30 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
         stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
     )
+    limits = ClientLimits(
+        max_head=args.max_header_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections or default_max_connections(),
+    )
+    stats = ClientStats()
+    router.telemetry.registry.register(stats)
     config = uvicorn.Config(
         create_app(router, options),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        http=limited(args.max_header_bytes),
+        http=protocol(limits, stats),
+        # The router serves no WebSocket: an upgrade would hand the connection to a
+        # protocol without the client limits.
+        ws="none",
         # uvicorn's loggers go through ours, so --log-format applies to them too.
         log_config=None,
-        # Hold idle client connections longer than clients keep them pooled (httpx and so
-        # the openai SDK: 5 s, uvicorn's own default too): otherwise a client reuses a
-        # connection the router is just closing, and its request fails.
-        timeout_keep_alive=75,
+        timeout_keep_alive=args.idle_timeout,
+        # The app fails what still runs at --shutdown-timeout; a client that does not read
+        # its stream would still hold uvicorn, which waits for every connection to close.
+        timeout_graceful_shutdown=args.shutdown_timeout + LINGER,
     )
     _settle_heap()
     _Server(config, router).run(sockets=[sock])

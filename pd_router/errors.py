@@ -95,7 +95,7 @@ class NoRoute(BadRequest):
 
 
 class HeadTooLarge(BadRequest):
-    """A request line and headers over ``--max-header-bytes`` (``head_limit.py``)."""
+    """A request line and headers over ``--max-header-bytes`` (``client_protocol.py``)."""
 
     status = 431
     code = "request_header_fields_too_large"
@@ -229,3 +229,18 @@ class Aborted(RouterError):
     type = "aborted"
     code = "abort"
     outcome = "aborted"
+
+
+class RequestTimeout(BadRequest):
+    """A request head or body that came too slowly (``--header-timeout``, ``--body-timeout``);
+    ``client_protocol.py`` answers it and closes the connection."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class TooManyConnections(Unavailable):
+    """A connection over ``--max-connections``: ``client_protocol.py`` answers it before
+    reading a request, so it is never a request's outcome (not counted as one)."""
+
+    code = "too_many_connections"
