@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.real_vllm import engines
 from tests.real_vllm.engines import VllmPair
 
 REAL_VLLM_TIMEOUT = 900
@@ -60,6 +61,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ordered += [it for it in pair_items if it.get_closest_marker(BREAKS_PAIR)]
     for i, item in zip(slots, ordered):
         items[i] = item
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _progress_on_the_terminal(pytestconfig: pytest.Config) -> None:
+    """The minutes of installing and starting engines say what they do, live."""
+    terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        engines.progress = lambda message: terminal.write_line(f"[real vLLM] {message}")
 
 
 @pytest.fixture(scope="package")

@@ -51,7 +51,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -87,6 +87,23 @@ class EngineStartError(RuntimeError):
 
 _venv_lock = threading.Lock()
 _venv_ready: dict[str, Path] = {}
+
+
+def _say(message: str) -> None:
+    print(f"[real vLLM] {message}", file=sys.stderr, flush=True)
+
+
+# Where the slow steps (minutes, silent otherwise) say what they do; conftest.py points it
+# at pytest's terminal, which shows it live where captured output would not.
+progress: Callable[[str], None] = _say
+
+
+@contextlib.contextmanager
+def step(what: str) -> Iterator[None]:
+    progress(f"{what}...")
+    started = time.monotonic()
+    yield
+    progress(f"{what}: done in {time.monotonic() - started:.0f} s")
 
 
 def default_venv() -> Path:
@@ -512,7 +529,12 @@ def wait_healthy(engines: Sequence[VllmEngine], timeout: float = DEFAULT_STARTUP
     Returns the seconds waited."""
     t0 = time.monotonic()
     pending = list(engines)
+    told = t0
     while pending:
+        if time.monotonic() - told >= 30:
+            told = time.monotonic()
+            waiting = ", ".join(e.role for e in pending)
+            progress(f"waiting {told - t0:.0f} s so far for {waiting} to answer /health")
         for e in list(pending):
             e.check_alive()
             if e.healthy():
@@ -563,10 +585,12 @@ class _Harness:
 
     def _prepare(self) -> None:
         t = time.monotonic()
-        self.venv = ensure_venv(self._venv_arg)
+        with step("the vLLM venv (about 3 min the first time, then seconds)"):
+            self.venv = ensure_venv(self._venv_arg)
         self.timings["ensure_venv_s"] = time.monotonic() - t
         t = time.monotonic()
-        self.model_dir = ensure_model(self.venv, self._model_arg)
+        with step("the tiny test model"):
+            self.model_dir = ensure_model(self.venv, self._model_arg)
         self.timings["ensure_model_s"] = time.monotonic() - t
         t = time.monotonic()
         self.flags = sorted(supported_flags(self.venv))
@@ -655,9 +679,10 @@ class VllmPair(_Harness):
                 extra_args=self.extra_args + self.decode_args, **common,
             )  # fmt: skip
             t = time.monotonic()
-            self.prefill.start()
-            self.decode.start()
-            wait_healthy(self.engines, self.startup_timeout)
+            with step("starting the prefill and decode engines (1-2 min)"):
+                self.prefill.start()
+                self.decode.start()
+                wait_healthy(self.engines, self.startup_timeout)
             self.timings["startup_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
@@ -722,8 +747,9 @@ class SingleEngine(_Harness):
                 optional_flags=self.flags,
             )  # fmt: skip
             t = time.monotonic()
-            self.engine.start()
-            wait_healthy([self.engine], self.startup_timeout)
+            with step("starting a plain vLLM engine (about 1 min)"):
+                self.engine.start()
+                wait_healthy([self.engine], self.startup_timeout)
             self.timings["startup_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
