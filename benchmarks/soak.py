@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import os
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -185,7 +186,10 @@ class Reading:
     seconds: float
     rss_kib: int
     fds: int
-    health: dict[str, Any] | None = None
+    health: dict[str, Any] | None = None  # idle readings
+    # Progress lines: the lowest and highest RSS sampled under load since the line before.
+    low_kib: int = 0
+    high_kib: int = 0
 
 
 def count_fds(pid: int) -> int:
@@ -215,10 +219,8 @@ class Soak:
         self.by_kind: dict[str, Counter[str]] = {}
         self.bad_examples: list[str] = []
         self.readings: list[Reading] = []
-        # RSS (KiB) sampled every SAMPLE_SECONDS while requests run: since the last line,
-        # and all of it after the baseline.
+        # RSS (KiB) sampled every SAMPLE_SECONDS under load since the last line.
         self.window: list[int] = []
-        self.after_baseline: list[int] = []
         self.started = time.perf_counter()
         self.deadline = self.started + args.max_seconds
         self.capped = False
@@ -246,15 +248,15 @@ class Soak:
         while self.done >= self.next_report:
             self.next_report += self.args.report_every
             reading = self.read()
+            window = [*self.window, reading.rss_kib]
+            self.window = []
+            reading.low_kib, reading.high_kib = min(window), max(window)
             self.readings.append(reading)
-            log(f"{self.progress(reading)}")
+            log(self.progress(reading))
 
     async def sample_rss(self) -> None:
         while True:
-            rss = proc_status(self.pid, "VmRSS")
-            self.window.append(rss)
-            if self.baseline is not None:
-                self.after_baseline.append(rss)
+            self.window.append(proc_status(self.pid, "VmRSS"))
             await asyncio.sleep(SAMPLE_SECONDS)
 
     def progress(self, reading: Reading) -> str:
@@ -263,12 +265,10 @@ class Soak:
         parts.append(f"hup={self.outcomes['hup']}")
         bad = sum(n for k, n in self.outcomes.items() if k.startswith("bad:"))
         parts.append(f"bad={bad}")
-        low, high = min(self.window, default=reading.rss_kib), max(self.window, default=0)
-        self.window = []
         return (
             f"{reading.done:>7} requests  {reading.seconds:6.1f} s  {' '.join(parts)}  |  "
-            f"router RSS {reading.rss_kib / 1024:5.1f} MiB (since last line {low / 1024:.0f}-"
-            f"{max(high, reading.rss_kib) / 1024:.0f})  fds {reading.fds}"
+            f"router RSS {reading.rss_kib / 1024:5.1f} MiB (since last line "
+            f"{reading.low_kib / 1024:.0f}-{reading.high_kib / 1024:.0f})  fds {reading.fds}"
         )
 
     # ------------------------------------------------------------------ load
@@ -433,29 +433,41 @@ class Soak:
         if base is None or final is None:
             log("verdict: FAIL (inconclusive: the time cap was reached during the warm-up)")
             return 1
-        load = self.after_baseline or [final.rss_kib]
-        rss_growth = (final.rss_kib - base.rss_kib) / 1024
+        bound = args.max_rss_growth_mib
+        rest_growth = (final.rss_kib - base.rss_kib) / 1024
+        # Under load, RSS swings with the requests in flight and the garbage not yet
+        # collected; its lowest point per line moves with the memory that stays. The median
+        # of those lows over the first and over the second half of the lines since the
+        # baseline: one dip (the allocator gave memory back) does not move it.
+        lines = [r for r in self.readings if r.done > base.done] or [final]
+        lows = [r.low_kib / 1024 for r in lines]
+        half = len(lows) // 2
+        early, late = statistics.median(lows[:half] or lows), statistics.median(lows[half:])
+        floor_growth = late - early
+        peak = max(r.high_kib for r in lines) / 1024
         fd_growth = final.fds - base.fds
         health = final.health or {}
         bad = sum(n for k, n in self.outcomes.items() if k.startswith("bad:"))
         failures = []
-        if rss_growth > args.max_rss_growth_mib:
-            failures.append(f"RSS grew {rss_growth:+.1f} MiB > +{args.max_rss_growth_mib:g}")
+        if rest_growth > bound:
+            failures.append(f"RSS at rest grew {rest_growth:+.1f} MiB > +{bound:g}")
+        if floor_growth > bound:
+            failures.append(f"RSS under load (lows) grew {floor_growth:+.1f} MiB > +{bound:g}")
         if fd_growth > args.max_fd_growth:
             failures.append(f"fds grew {fd_growth:+d} > +{args.max_fd_growth}")
         if health.get("decode_slots_in_use") != 0 or health.get("queue_depth") != 0:
-            failures.append("slots or queue not back to 0")
+            failures.append("slots in use or queue not back to 0")
         if bad:
             failures.append(f"{bad} wrong answers")
         log(
             f"verdict: {'FAIL (' + '; '.join(failures) + ')' if failures else 'PASS'}  "
-            f"requests {self.done} in {self.elapsed():.0f} s; router RSS {base.rss_kib / 1024:.1f}"
-            f" -> {final.rss_kib / 1024:.1f} MiB ({rss_growth:+.1f} MiB, bound "
-            f"+{args.max_rss_growth_mib:g}; under load since the baseline {min(load) / 1024:.1f}-"
-            f"{max(load) / 1024:.1f}); fds {base.fds} "
-            f"-> {final.fds} ({fd_growth:+d}, bound +{args.max_fd_growth}); slots in use "
-            f"{health.get('decode_slots_in_use')}, queue {health.get('queue_depth')}; "
-            f"wrong answers {bad}"
+            f"{self.done} requests in {self.elapsed():.0f} s; router RSS at rest "
+            f"{base.rss_kib / 1024:.1f} -> {final.rss_kib / 1024:.1f} MiB ({rest_growth:+.1f}, "
+            f"bound +{bound:g}); under load, lows {early:.1f} -> {late:.1f} MiB "
+            f"({floor_growth:+.1f}, bound +{bound:g}), highest {peak:.1f}; fds at rest "
+            f"{base.fds} -> {final.fds} ({fd_growth:+d}, bound +{args.max_fd_growth}); "
+            f"/health slots in use {health.get('decode_slots_in_use')}, queue "
+            f"{health.get('queue_depth')}; wrong answers {bad}"
         )
         return 1 if failures else 0
 
