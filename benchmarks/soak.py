@@ -13,18 +13,21 @@ Starts, on 127.0.0.1, one simulated prefill engine, two fast simulated decode en
 * ``bad_model``: a model the engines do not serve: the prefill engine's 404, relayed;
 * ``large_ok``, ``large_rejected``: 1-8 MiB prompts; the rejected ones are over the
   engines' context length: the prefill engine's 400, relayed (the case that used to leak);
-* on top, fault windows: every ``--fault-every`` requests, decode engine 1 answers every
-  generation request with ``--fault-statuses`` (500, then 400, ...) for ``--fault-span``
-  requests (``POST /sim/config``): the router relays the engine's error.
+* on top, fault windows: every ``--fault-every`` draws of the mix, decode engine 1 answers
+  every generation request with ``--fault-statuses`` (500, then 400, ...) for
+  ``--fault-span`` draws (``POST /sim/config``): the router relays the engine's error.
 
 Every answer is checked: streams end with ``[DONE]``, engine errors arrive with the
 engine's status and message. Every ``--report-every`` requests it prints one line: requests
-done, outcomes, the router's RSS (VmRSS) and open fds, elapsed time. After ``--warmup``
-requests (20% by default) the load pauses, the router idles ``--settle`` seconds (the sim
-engines close idle keep-alive connections after 30 s), and its RSS and fds are the
-baseline; the same reading after the last request is the final one. Exit 1 if RSS grew by
-more than ``--max-rss-growth-mib``, fds by more than ``--max-fd-growth``, ``/health`` does
-not show 0 slots in use and an empty queue at the end, or an answer was wrong; else 0.
+done, outcomes, the router's RSS (VmRSS; and its range, sampled every 0.2 s since the line
+before) and open fds, elapsed time. After ``--warmup`` requests (20% by default) the load
+pauses, the router idles ``--settle`` seconds (the sim engines close idle keep-alive
+connections after 30 s), and its RSS and fds are the baseline; the same reading after the
+last request is the final one. Exit 1 if RSS at rest grew by more than
+``--max-rss-growth-mib``, or RSS under load did (the median of the lines' lowest readings,
+second half of the run against first half), fds at rest by more than ``--max-fd-growth``,
+``/health`` does not show 0 slots in use and an empty queue at the end, or an answer was
+wrong; else 0.
 
     python benchmarks/soak.py [--requests N] [--max-seconds S] [--seed N] [--mix k=w,...]
 """
