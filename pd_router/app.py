@@ -134,7 +134,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         serving = set(fleet.serving_view())
         live_prefill = sum(node.id in serving for node in fleet.prefill.nodes)
         live_decode = sum(node.id in serving for node in pool.nodes)
-        ready = live_prefill > 0 and live_decode > 0 and not router.shutting_down
+        ready = live_prefill > 0 and live_decode > 0 and pool.available and not router.shutting_down
         status = "ok" if ready else ("shutting_down" if router.shutting_down else "unavailable")
         document = {
             "status": status,
@@ -144,6 +144,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
             "decode_slots_in_use": pool.in_use,
             "queue_depth": pool.queue_depth,
         }
+        if not pool.available:
+            document["shared_state"] = "unavailable"
         return _json(document, 200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
@@ -169,6 +171,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
+                for name, work in fleet.pool.background():
+                    tg.start_soon(supervise, name, work)
                 stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
                 tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield

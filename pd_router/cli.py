@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -36,8 +37,11 @@ from .client_protocol import (
     protocol,
 )
 from .fleet import Fleet
-from .nodes import HealthPolicy, make_nodes
+from .nodes import HealthPolicy, Node, make_nodes
+from .pool import DecodePool
+from .redis_client import Redis, parse_url
 from .relay import Router, Settings
+from .shared_pool import SharedPool
 from .upstream import MAX_RESPONSE_BYTES, Upstream
 
 log = logging.getLogger("pd_router")
@@ -133,6 +137,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--stall-timeout", _seconds, 30.0, "SECONDS",
      "a decode node whose started streams all sent nothing for this long is hung: those "
      "streams end with an error and it gets no new requests for as long; 0 turns it off"),
+    ("--state", str, None, "URL",
+     "redis://[user:pass@]host:port/db (or rediss://): share the decode slots and their "
+     "queue with every router on that Redis; unset, this process keeps its own"),
     ("--admin-token", str, None, "TOKEN",
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
@@ -232,8 +239,13 @@ def build_router(args: argparse.Namespace) -> Router:
     prefill = make_nodes(args.prefill, 1, role="prefill")
     decode = make_nodes(args.decode, args.decode_slots, first_id=len(prefill))
     policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
+    pool: Callable[[list[Node]], DecodePool] = DecodePool
+    if args.state is not None:
+        # A Redis that does not answer within a second is away: fail new requests fast.
+        redis = Redis(parse_url(args.state), timeout=1.0)
+        pool = partial(SharedPool, redis=redis)
     return Router(
-        fleet=Fleet(prefill, decode, policy),
+        fleet=Fleet(prefill, decode, policy, pool=pool),
         upstream=Upstream(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,

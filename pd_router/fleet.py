@@ -70,11 +70,13 @@ class Fleet:
         decode: list[Node],
         policy: HealthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pool: Callable[[list[Node]], DecodePool] = DecodePool,
     ) -> None:
         self.policy = policy or HealthPolicy()
         self.clock = clock
         self.prefill = RoundRobin(prefill)
-        self.pool = DecodePool(decode)
+        # In-process by default; shared by every router on one Redis with ``--state``.
+        self.pool = pool(decode)
         self.bindings: dict[str, Binding] = {}
         # Every request in flight by id, from its arrival (before it has a slot) to its end.
         self.requests: dict[str, Handle] = {}

@@ -24,7 +24,7 @@ Concurrency contract (the pool does no I/O and runs on one event loop, asyncio o
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -46,10 +46,10 @@ class Reservation:
     def release(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool._give_back(self.node)
+            pool._give_back(self)
 
 
-class _Waiter:
+class Waiter:
     __slots__ = ("event", "node", "error")
 
     def __init__(self) -> None:
@@ -63,7 +63,7 @@ class DecodePool:
         self.nodes = list(nodes)
         # The states a new request may land on (``nodes.usable``); the fleet refreshes it.
         self.usable = usable(self.nodes)
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: deque[Waiter] = deque()
         self._next = 0
         self.acquired = 0
         self.released = 0
@@ -85,6 +85,17 @@ class DecodePool:
     def live(self) -> bool:
         """Some node takes new requests (when its slots free up)."""
         return any(node.state in self.usable for node in self.nodes)
+
+    # Whether new requests can be served at all (the shared pool's store may be away).
+    available = True
+
+    def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        """Work that lives as long as the app (named, for its supervisor): none here."""
+        return []
+
+    async def acquire_now(self, avoid: Node | None = None) -> Reservation | None:
+        """``try_acquire`` for a pool that may need I/O to answer."""
+        return self.try_acquire(avoid)
 
     def refresh(self) -> None:
         """A node's state changed, or nodes came or went."""
@@ -114,7 +125,7 @@ class DecodePool:
             raise Unavailable("no live decode node")
         if timeout <= 0:
             raise Busy("all decode nodes busy")
-        waiter = _Waiter()
+        waiter = Waiter()
         self._waiters.append(waiter)
         started = anyio.current_time()
         try:
@@ -173,9 +184,9 @@ class DecodePool:
             self._next = (self.nodes.index(best) + 1) % count
         return best
 
-    def _give_back(self, node: Node) -> None:
+    def _give_back(self, reservation: Reservation) -> None:
         self.released += 1
-        self._hand_over(node)
+        self._hand_over(reservation.node)
 
     def _hand_over(self, node: Node) -> None:
         """A slot on ``node`` is done with: to the first waiter, else back to the node."""
@@ -185,11 +196,11 @@ class DecodePool:
             node.in_use -= 1
 
     @staticmethod
-    def _grant(waiter: _Waiter, node: Node) -> None:
+    def _grant(waiter: Waiter, node: Node) -> None:
         waiter.node = node
         waiter.event.set()
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         if waiter.node is not None:
             self._hand_over(waiter.node)
         elif waiter.error is None:

@@ -266,7 +266,7 @@ class Relay:
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
         self._reservation.release()
-        other = pool.try_acquire(avoid=first)
+        other = await pool.acquire_now(avoid=first)
         if other is None:
             if not pool.live:
                 raise Unavailable("no live decode node")

@@ -338,7 +338,7 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--read-timeout SECONDS"].endswith("(default: 600)")
     assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
-    unset = {"-h, --help", "--admin-token TOKEN", "--config FILE"}
+    unset = {"-h, --help", "--admin-token TOKEN", "--config FILE", "--state URL"}
     missing = [
         invocation
         for invocation, text in entries.items()

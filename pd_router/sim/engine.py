@@ -44,6 +44,9 @@ class Counters:
     blocks_expired: int = 0
     transfers: int = 0
     pull_failures: int = 0
+    # The most generation requests served at once: the router's slot accounting, seen from
+    # the engine's side.
+    peak_active: int = 0
 
 
 @dataclass
@@ -176,6 +179,7 @@ class Engine:
         request_id = header_id or uuid.uuid4().hex
         self.counters.requests += 1
         self.active += 1
+        self.counters.peak_active = max(self.counters.peak_active, self.active)
         try:
             outcome = await self._serve(exchange, request_id, chat)
         finally:

@@ -1,0 +1,297 @@
+"""The decode pool shared by every router process on one Redis (``--state``).
+
+The decisions are ``shared_scripts.py``'s, run atomically by Redis; this module is the I/O
+around them and the waiting, with the in-process pool's contract (``pool.py``) kept:
+
+* ``acquire`` returns a reservation or raises having taken nothing. The script that takes
+  a slot runs shielded: a cancellation that arrived meanwhile is delivered after the
+  reservation is in hand, inside the ``try`` of ``reserve`` that releases it.
+* A waiter is an entry in Redis's queue, first come first served across routers. The
+  script that frees a slot hands it to the oldest waiter and publishes it; this router's
+  listener wakes the waiter. A waiter that times out or is cancelled leaves the queue in
+  one script, which also says whether a slot reached it meanwhile: kept on a timeout (as
+  the in-process pool does), given back on a cancellation.
+* ``release`` is synchronous, as in-process, so that it is safe in a cancelled ``finally``:
+  it queues the release, and a worker sends it, again and again while Redis is away (the
+  script is idempotent). Until then Redis counts the slot as used: never over the slots.
+* A router holds a lease, renewed every third of ``lease`` seconds. One that stops
+  renewing (killed, partitioned) has its slots and queue entries returned by the next
+  router to renew, within ``lease`` seconds. A router that finds its registration gone
+  (Redis restarted empty, or its own lease ended) writes back what it holds.
+* Redis away: new requests get 503 ``shared state unavailable`` and ``available`` is
+  false (``/health`` says 503); requests in flight go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from . import shared_scripts as scripts
+from .errors import Busy, QueueTimeout, RouterError, Unavailable, fresh
+from .nodes import Node
+from .pool import DecodePool, Reservation, Waiter
+from .redis_client import Redis, RedisError, RedisUnavailable, Script
+
+log = logging.getLogger("pd_router.shared_pool")
+
+# Seconds a router's slots outlive it. Renewed every third of it: two renewals may fail
+# (a slow Redis, a stalled loop) before the lease ends.
+LEASE = 10.0
+# Between tries of a release or a renewal while Redis is away.
+RETRY = 0.5
+
+_ACQUIRE = Script(scripts.ACQUIRE)
+_RELEASE = Script(scripts.RELEASE)
+_ABANDON = Script(scripts.ABANDON)
+_RENEW = Script(scripts.RENEW)
+_REGISTER = Script(scripts.REGISTER)
+
+
+class StateUnavailable(Unavailable):
+    code = "shared_state_unavailable"
+
+
+class SharedReservation(Reservation):
+    __slots__ = ("id",)
+
+    def __init__(self, pool: SharedPool, node: Node, waited: float, reservation_id: str) -> None:
+        super().__init__(pool, node, waited)
+        self.id = reservation_id
+
+
+class SharedPool(DecodePool):
+    def __init__(self, nodes: Sequence[Node], redis: Redis, lease: float = LEASE) -> None:
+        super().__init__(nodes)
+        self.redis = redis
+        self.lease = lease
+        self.router_id = secrets.token_hex(8)
+        self.available = False
+        self._held: dict[str, SharedReservation] = {}
+        self._waiting: dict[str, Waiter] = {}
+        # Those of them that are in Redis's queue (the others' scripts have not answered).
+        self._queued: set[str] = set()
+        jobs: tuple[MemoryObjectSendStream[Job], MemoryObjectReceiveStream[Job]]
+        jobs = anyio.create_memory_object_stream(math.inf)
+        self._jobs, self._pending = jobs
+
+    # ------------------------------------------------------------------ the pool's interface
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queued)
+
+    def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        return [
+            ("the shared state's lease", self._renew_forever),
+            ("the shared state's grants", self._listen_forever),
+            ("the shared state's releases", self._work),
+        ]
+
+    def try_acquire(self, avoid: Node | None = None) -> Reservation | None:
+        return None  # every reservation is Redis's to grant: ``acquire_now``
+
+    async def acquire_now(self, avoid: Node | None = None) -> Reservation | None:
+        reply = await self._acquire(secrets.token_hex(8), False, avoid)
+        return reply if isinstance(reply, Reservation) else None
+
+    async def acquire(self, timeout: float) -> Reservation:
+        if not self.live:
+            raise Unavailable("no live decode node")
+        resid = secrets.token_hex(8)
+        started = anyio.current_time()
+        # Known before Redis can hand it a slot: the listener may hear of the grant before
+        # this task hears the script's own reply.
+        waiter = self._waiting[resid] = Waiter()
+        try:
+            reply = await self._acquire(resid, timeout > 0, None)
+            if isinstance(reply, Reservation):
+                return reply
+            if reply == "busy":
+                raise Busy("all decode nodes busy")
+            if reply != "queued":
+                raise StateUnavailable(f"shared state unavailable: {reply} after registering")
+            self._queued.add(resid)
+            try:
+                with anyio.move_on_after(timeout):
+                    await waiter.event.wait()
+                if waiter.node is None:
+                    # Timed out, or told to fail: one script says if a slot came meanwhile.
+                    waiter.node = await self._leave(resid) or waiter.node
+            except BaseException:
+                node = waiter.node or await self._leave(resid)
+                if node is not None:
+                    self._send(("release", resid, node.url))
+                raise
+        finally:
+            del self._waiting[resid]
+            self._queued.discard(resid)
+        waited = anyio.current_time() - started
+        if waiter.error is not None:
+            if waiter.node is not None:
+                self._send(("release", resid, waiter.node.url))
+            raise fresh(waiter.error)
+        if waiter.node is None:
+            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+        return self._hold(resid, waiter.node, waited)
+
+    def wake(self) -> None:
+        self._send(("renew", "", ""))
+
+    def fail_waiters(self, error: RouterError) -> None:
+        for waiter in self._waiting.values():
+            if waiter.node is None and waiter.error is None:
+                waiter.error = error
+                waiter.event.set()
+
+    def _give_back(self, reservation: Reservation) -> None:
+        """Synchronous, for a ``finally`` in a cancelled scope: Redis hears of it from the
+        release worker."""
+        self.released += 1
+        reservation.node.in_use -= 1
+        if isinstance(reservation, SharedReservation):
+            self._held.pop(reservation.id, None)
+            self._send(("release", reservation.id, reservation.node.url))
+
+    # ------------------------------------------------------------------ Redis
+
+    async def _acquire(self, resid: str, may_queue: bool, avoid: Node | None) -> Any:
+        urls = [node.url for node in self.nodes if node.state in self.usable and node is not avoid]
+        args = [self.router_id, resid, "1" if may_queue else "0", *urls]
+        started = anyio.current_time()
+        # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
+        with anyio.CancelScope(shield=True):
+            reply = await self._run(_ACQUIRE, args)
+            if reply[0] == b"unknown":  # Redis lost this router's registration
+                await self._renew()
+                reply = await self._run(_ACQUIRE, args)
+        if reply[0] == b"ok":
+            node = self._by_url(reply[1].decode())
+            if node is None:  # removed here since
+                self._send(("release", resid, reply[1].decode()))
+                return "busy"
+            return self._hold(resid, node, anyio.current_time() - started)
+        return reply[0].decode()
+
+    async def _leave(self, resid: str) -> Node | None:
+        """Out of the queue; the node of the slot that reached the waiter meanwhile, if one did."""
+        with anyio.CancelScope(shield=True):
+            try:
+                reply = await self._run(_ABANDON, [self.router_id, resid])
+            except Unavailable:
+                # The entry stays; a slot handed to it comes back through the listener.
+                return None
+        if reply[0] != b"granted":
+            return None
+        node = self._by_url(reply[1].decode())
+        if node is None:
+            self._send(("release", resid, reply[1].decode()))
+        return node
+
+    def _hold(self, resid: str, node: Node, waited: float) -> SharedReservation:
+        node.in_use += 1
+        self.acquired += 1
+        reservation = SharedReservation(self, node, waited, resid)
+        self._held[resid] = reservation
+        return reservation
+
+    def _granted(self, resid: str, url: str) -> None:
+        """A slot reached one of this router's waiters."""
+        waiter = self._waiting.get(resid)
+        node = self._by_url(url)
+        if waiter is not None and waiter.node is None and waiter.error is None and node:
+            waiter.node = node
+            waiter.event.set()
+        elif resid not in self._held and (waiter is None or waiter.node is None):
+            self._send(("release", resid, url))
+
+    def _by_url(self, url: str) -> Node | None:
+        return next((node for node in self.nodes if node.url == url), None)
+
+    async def _run(self, script: Script, args: Sequence[str]) -> Any:
+        try:
+            reply = await script.run(self.redis, (), args)
+        except (RedisUnavailable, RedisError) as exc:
+            self.available = False
+            raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        return reply
+
+    async def _register(self) -> None:
+        """Tell Redis what this router holds and who waits, with its lease: after a start,
+        a lost lease, or a Redis that lost its data."""
+        held = [item for r in self._held.values() for item in (r.id, r.node.url)]
+        waiting = [resid for resid in self._queued if self._waiting[resid].node is None]
+        args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]
+        await self._run(_REGISTER, args)
+
+    def _lease_and_slots(self) -> list[str]:
+        slots = [item for node in self.nodes for item in (node.url, str(node.slots))]
+        return [self.router_id, str(int(self.lease * 1000)), str(len(self.nodes)), *slots]
+
+    def _send(self, job: Job) -> None:
+        self._jobs.send_nowait(job)
+
+    # ------------------------------------------------------------------ background work
+
+    async def _renew_forever(self) -> None:
+        while True:
+            try:
+                await self._renew()
+                if not self.available:
+                    log.info("shared state available (router %s)", self.router_id)
+                self.available = True
+            except Unavailable as exc:
+                if self.available:
+                    log.error("shared state unavailable: %s", exc)
+                self.available = False
+            await anyio.sleep(self.lease / 3)
+
+    async def _listen_forever(self) -> None:
+        channel = scripts.GRANTS + self.router_id
+        while True:
+            try:
+                async with self.redis.subscribe(channel) as subscription:
+                    # Grants published while nobody listened: ask about every waiter.
+                    for resid in list(self._waiting):
+                        url = await self.redis.call(
+                            "HGET", scripts.RESERVATIONS + self.router_id, resid
+                        )
+                        if url is not None:
+                            self._granted(resid, url.decode())
+                    while True:
+                        _, data = await subscription.next_message()
+                        resid, url = data.decode().split(" ", 1)
+                        self._granted(resid, url)
+            except (RedisUnavailable, RedisError):
+                await anyio.sleep(RETRY)
+
+    async def _work(self) -> None:
+        async for kind, resid, url in self._pending:
+            while True:
+                try:
+                    if kind == "release":
+                        node = self._by_url(url)
+                        usable = "1" if node is not None and node.state in self.usable else "0"
+                        await self._run(_RELEASE, [self.router_id, resid, usable])
+                    else:
+                        await self._renew()
+                    break
+                except Unavailable:
+                    await anyio.sleep(RETRY)
+
+    async def _renew(self) -> None:
+        usable = [node.url for node in self.nodes if node.state in self.usable]
+        known, reclaimed = await self._run(_RENEW, [*self._lease_and_slots(), *usable])
+        if not known:
+            await self._register()
+        if reclaimed:
+            log.warning("gave back %d slots of routers whose lease ended", reclaimed)
+
+
+Job = tuple[str, str, str]  # ("release", reservation id, url) | ("renew", "", "")

@@ -1,0 +1,181 @@
+"""The shared decode pool's decisions, as Lua scripts that Redis runs atomically.
+
+Every router process sharing a state URL runs these; Redis runs one script at a time, so a
+script is the critical section the in-process pool gets from its event loop. No script
+waits: a waiter is an entry in a queue, woken by a message from the script that handed it
+a slot.
+
+Keys (one hash tag, ``{pdr}``, so that a Redis Cluster keeps them on one shard):
+
+* ``{pdr}:slots``  hash: node URL -> slots (written by every router from its own flags)
+* ``{pdr}:used``   hash: node URL -> slots reserved, all routers together
+* ``{pdr}:res:R``  hash: reservation id -> node URL, the reservations router R holds
+* ``{pdr}:routers`` hash: router id -> its lease's end (ms, Redis's clock)
+* ``{pdr}:queue``  sorted set: ``"R reservation-id"`` by arrival (``{pdr}:seq``)
+* ``{pdr}:rr``     counter: where the next pick starts among equally free nodes
+* channel ``{pdr}:grant:R``: ``"reservation-id url"``, a slot handed to a waiter of R
+
+A reservation is released exactly once: its id leaves ``res:R`` in the script that gives
+the slot back, and a second release of the same id finds nothing. A router whose lease
+ended (killed, partitioned) has its reservations given back and its queue entries dropped
+by whichever router renews next.
+"""
+
+from __future__ import annotations
+
+_COMMON = """
+local P = '{pdr}:'
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function free(url)
+  return tonumber(redis.call('HGET', P .. 'slots', url) or '0')
+    - tonumber(redis.call('HGET', P .. 'used', url) or '0')
+end
+local function split(member)
+  local at = string.find(member, ' ', 1, true)
+  return string.sub(member, 1, at - 1), string.sub(member, at + 1)
+end
+-- The oldest waiter of a live router gets the slot on url; without one (or when url takes
+-- no new requests) the slot goes back to url. True when a waiter got it.
+local function hand_over(url, usable)
+  while usable do
+    local head = redis.call('ZRANGE', P .. 'queue', 0, 0)
+    if #head == 0 then break end
+    redis.call('ZREM', P .. 'queue', head[1])
+    local router, resid = split(head[1])
+    if redis.call('HEXISTS', P .. 'routers', router) == 1 then
+      redis.call('HSET', P .. 'res:' .. router, resid, url)
+      redis.call('PUBLISH', P .. 'grant:' .. router, resid .. ' ' .. url)
+      return true
+    end
+  end
+  redis.call('HINCRBY', P .. 'used', url, -1)
+  return false
+end
+-- The freest of the given urls (ties in turn), or nil when none has a free slot.
+local function pick(urls)
+  local n = #urls
+  if n == 0 then return nil end
+  local start = redis.call('INCR', P .. 'rr')
+  local best, most = nil, 0
+  for i = 0, n - 1 do
+    local url = urls[1 + (start + i) % n]
+    local f = free(url)
+    if f > most then best, most = url, f end
+  end
+  return best
+end
+local function rest(from)
+  local out = {}
+  for i = from, #ARGV do out[#out + 1] = ARGV[i] end
+  return out
+end
+"""
+
+# ARGV: router, reservation id, "1" to queue when nothing is free, usable urls...
+# -> {"ok", url} | {"queued"} | {"busy"} | {"unknown"} (the router must register first)
+ACQUIRE = _COMMON + """
+local router, resid, may_queue = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown'} end
+if redis.call('ZCARD', P .. 'queue') == 0 then
+  local url = pick(rest(4))
+  if url then
+    redis.call('HINCRBY', P .. 'used', url, 1)
+    redis.call('HSET', P .. 'res:' .. router, resid, url)
+    return {'ok', url}
+  end
+end
+if may_queue == '1' then
+  redis.call('ZADD', P .. 'queue', redis.call('INCR', P .. 'seq'), router .. ' ' .. resid)
+  return {'queued'}
+end
+return {'busy'}
+"""
+
+# ARGV: router, reservation id, "1" if its node takes new requests -> 1 released, 0 not held
+RELEASE = _COMMON + """
+local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
+if not url then return 0 end
+redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[2])
+hand_over(url, ARGV[3] == '1')
+return 1
+"""
+
+# ARGV: router, reservation id -> {"left"} | {"granted", url} | {"gone"}
+ABANDON = _COMMON + """
+if redis.call('ZREM', P .. 'queue', ARGV[1] .. ' ' .. ARGV[2]) == 1 then return {'left'} end
+local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
+if url then return {'granted', url} end
+return {'gone'}
+"""
+
+# ARGV: router, lease ms, n, n pairs of (url, slots), usable urls...
+# -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed}
+# Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
+# hands free slots to waiters (a node readmitted, a release that could not reach a waiter).
+RENEW = _COMMON + """
+local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0} end
+local now = now_ms()
+redis.call('HSET', P .. 'routers', router, now + lease)
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+local urls = rest(4 + 2 * n)
+local usable = {}
+for _, url in ipairs(urls) do usable[url] = true end
+local reclaimed = 0
+local routers = redis.call('HGETALL', P .. 'routers')
+for i = 1, #routers, 2 do
+  local other = routers[i]
+  if tonumber(routers[i + 1]) < now then
+    redis.call('HDEL', P .. 'routers', other)
+    local held = redis.call('HGETALL', P .. 'res:' .. other)
+    redis.call('DEL', P .. 'res:' .. other)
+    for j = 1, #held, 2 do
+      hand_over(held[j + 1], usable[held[j + 1]] ~= nil)
+      reclaimed = reclaimed + 1
+    end
+    for _, member in ipairs(redis.call('ZRANGE', P .. 'queue', 0, -1)) do
+      if split(member) == other then redis.call('ZREM', P .. 'queue', member) end
+    end
+  end
+end
+while redis.call('ZCARD', P .. 'queue') > 0 do
+  local url = pick(urls)
+  if not url then break end
+  redis.call('HINCRBY', P .. 'used', url, 1)
+  if not hand_over(url, true) then break end
+end
+return {1, reclaimed}
+"""
+
+# ARGV: router, lease ms, n, n pairs of (url, slots), m, m pairs of (reservation id, url),
+# then waiting reservation ids...
+# A router's start, or its return after its registration was lost (Redis restarted empty,
+# or its lease ended): its lease, its nodes' slots, what it holds (each counted once,
+# however often sent) and who waits, all at once, so that no other router sees it
+# registered without its reservations.
+REGISTER = _COMMON + """
+local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('HSET', P .. 'routers', router, now_ms() + lease)
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+local at = 4 + 2 * n
+local m = tonumber(ARGV[at])
+for i = 0, m - 1 do
+  local resid, url = ARGV[at + 1 + 2 * i], ARGV[at + 2 + 2 * i]
+  if redis.call('HSETNX', P .. 'res:' .. router, resid, url) == 1 then
+    redis.call('HINCRBY', P .. 'used', url, 1)
+  end
+end
+for i = at + 1 + 2 * m, #ARGV do
+  local member = router .. ' ' .. ARGV[i]
+  if not redis.call('ZSCORE', P .. 'queue', member) then
+    redis.call('ZADD', P .. 'queue', redis.call('INCR', P .. 'seq'), member)
+  end
+end
+return 1
+"""
+
+RESERVATIONS = "{pdr}:res:"
+GRANTS = "{pdr}:grant:"

@@ -1,0 +1,135 @@
+"""Three router processes on one Redis (``--state``) in front of simulated engines: one pool,
+whatever router a client reaches; a killed router's slots come back; Redis going away is a
+clear 503 and the routers recover when it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from pd_router.redis_client import Redis, parse_url
+from pd_router.sim.fleet import SimFleet
+from tests.helpers import RouterProcess, wait_for
+from tests.redis_server import RedisServer
+
+STREAM = {"model": "sim-model", "prompt": "hello shared pool", "max_tokens": 20, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=2, decode_args=["--slots", "64", "--itl", "0.02"]) as engines:
+        yield engines
+
+
+@contextmanager
+def routers(
+    fleet: SimFleet, server: RedisServer, count: int, *args: str
+) -> Iterator[list[RouterProcess]]:
+    engines = [e.url for e in fleet.prefill], [e.url for e in fleet.decode]
+    with ExitStack() as stack:
+        started = [
+            stack.enter_context(RouterProcess(*engines, "--state", server.url, *args))
+            for _ in range(count)
+        ]
+        yield started
+
+
+def used_slots(server: RedisServer) -> dict[str, int]:
+    async def read() -> Any:
+        client = Redis(parse_url(server.url), timeout=1.0)
+        try:
+            return await client.call("HGETALL", "{pdr}:used")
+        finally:
+            await client.aclose()
+
+    flat = anyio.run(read)
+    return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def stream(url: str, body: dict[str, Any] = STREAM, timeout: float = 60) -> httpx.Response:
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    return response
+
+
+def test_a_burst_wider_than_the_pool_never_puts_more_on_an_engine_than_its_slots(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    for engine in fleet.engines:
+        engine.reset()
+    with routers(fleet, redis_server, 3, "--decode-slots", "2", "--queue-timeout", "60") as rs:
+        answers: list[httpx.Response] = []
+
+        def client(index: int) -> None:
+            answers.append(stream(rs[index % 3].url))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(answers) == 24
+        assert all(a.status_code == 200 and a.text.endswith("data: [DONE]\n\n") for a in answers)
+        peaks = [engine.stats()["peak_active"] for engine in fleet.decode]
+        assert max(peaks) <= 2, f"an engine served more than its 2 slots: {peaks}"
+        assert min(peaks) == 2, "the burst filled every slot"
+        for router in rs:
+            router.assert_idle()
+        wait_for(lambda: set(used_slots(redis_server).values()) <= {0}, what="Redis's count")
+
+
+def test_a_killed_router_gives_its_slots_back_within_the_lease(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    slow = {**STREAM, "max_tokens": 2000}
+    with routers(fleet, redis_server, 2, "--queue-timeout", "60") as (doomed, survivor):
+
+        def hold() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its router is killed under it
+                stream(doomed.url, slow)
+
+        holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+        for holder in holders:
+            holder.start()
+        wait_for(lambda: sum(used_slots(redis_server).values()) == 2, what="both slots held")
+        doomed.kill()  # SIGKILL: it gives nothing back itself
+        killed = time.monotonic()
+        answer = stream(survivor.url)
+        assert answer.status_code == 200
+        assert time.monotonic() - killed < 10 + 5, "within the 10 s lease, and the stream"
+        wait_for(lambda: sum(used_slots(redis_server).values()) == 0, what="slots back")
+
+
+def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    with routers(fleet, redis_server, 1) as (router,):
+        answers: list[httpx.Response] = []
+        long = {**STREAM, "max_tokens": 100}
+        before = threading.Thread(target=lambda: answers.append(stream(router.url, long)))
+        before.start()
+        wait_for(lambda: sum(used_slots(redis_server).values()) == 1, what="a stream in flight")
+        redis_server.kill()
+        refused = stream(router.url)
+        assert refused.status_code == 503
+        assert json.loads(refused.text)["error"]["code"] == "shared_state_unavailable"
+        wait_for(lambda: httpx.get(f"{router.url}/health").status_code == 503, what="/health 503")
+        before.join(30)
+        assert answers[0].status_code == 200 and answers[0].text.endswith("data: [DONE]\n\n")
+        redis_server.start()
+        wait_for(
+            lambda: httpx.get(f"{router.url}/health").status_code == 200,
+            timeout=15,
+            what="/health 200",
+        )
+        assert stream(router.url).status_code == 200
+        router.assert_idle()
+        wait_for(lambda: set(used_slots(redis_server).values()) <= {0}, what="Redis's count")
