@@ -75,6 +75,12 @@ def fresh(error: E) -> E:
     return copy
 
 
+class InternalError(RouterError):
+    """A bug in the router: logged with its traceback where it was caught."""
+
+    outcome = "internal_error"
+
+
 class BadRequest(RouterError):
     status = 400
     type = "invalid_request_error"

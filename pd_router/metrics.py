@@ -39,6 +39,7 @@ OUTCOMES = (
     "bad_request",
     "timeout",
     "stalled",
+    "state_unavailable",
     "internal_error",
 )
 

@@ -39,7 +39,14 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from . import handshake, logs
-from .errors import RouterError, ShuttingDown, Unavailable, UpstreamError, detached
+from .errors import (
+    InternalError,
+    RouterError,
+    ShuttingDown,
+    Unavailable,
+    UpstreamError,
+    detached,
+)
 from .fleet import Binding, Fleet
 from .metrics import Telemetry, Timings
 from .nodes import Failure, Node
@@ -126,7 +133,7 @@ class Relay:
                     error = detached(exc)
                 except Exception:
                     log.exception("request %s failed inside the router", self.request_id)
-                    error = RouterError("internal router error")
+                    error = InternalError("internal router error")
             error = self._failure or error
             if client.answered:
                 # Whatever happened after (the engine died as its stream ended), the

@@ -55,7 +55,10 @@ _REGISTER = Script(scripts.REGISTER)
 
 
 class StateUnavailable(Unavailable):
+    """Redis did not answer (``--state``): no slot can be reserved."""
+
     code = "shared_state_unavailable"
+    outcome = "state_unavailable"
 
 
 class SharedReservation(Reservation):

@@ -9,8 +9,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_router.redis_client import Redis, parse_url
 from pd_router.sim import fleet
 
 
@@ -85,3 +87,13 @@ class RawClient:
 
     def hang_up(self) -> None:
         self.sock.close()
+
+
+def slots_in_use(state_url: str) -> int:
+    """Decode slots the routers sharing ``state_url`` (``--state``) hold, by Redis's count."""
+
+    async def read() -> Any:
+        async with Redis(parse_url(state_url), timeout=2.0) as redis:
+            return await redis.call("HVALS", "{pdr}:used")
+
+    return sum(int(value) for value in anyio.run(read))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RawClient, RouterProcess, wait_for
+from tests.helpers import RawClient, RouterProcess, slots_in_use, wait_for
 
 BODY = {"model": "sim-model", "prompt": "cancel me please now", "max_tokens": 50, "stream": True}
 LEASE = "60"  # long enough that "freed" can only mean "pulled"
@@ -27,12 +27,18 @@ def fleet() -> Iterator[SimFleet]:
         yield fleet
 
 
-@pytest.fixture(scope="module")
-def router(fleet: SimFleet) -> Iterator[RouterProcess]:
+@pytest.fixture(scope="module", params=["in-process", "shared"])
+def router(fleet: SimFleet, request: pytest.FixtureRequest) -> Iterator[RouterProcess]:
+    """Every case runs against the in-process pool and against the one shared on Redis."""
+    state: list[str] = []
+    if request.param == "shared":
+        state = ["--state", request.getfixturevalue("redis_server").url]
     with RouterProcess(
-        [fleet.prefill[0].url], [fleet.decode[0].url], "--queue-timeout", "30"
+        [fleet.prefill[0].url], [fleet.decode[0].url], "--queue-timeout", "30", *state
     ) as router:
         yield router
+        if state:
+            wait_for(lambda: slots_in_use(state[1]) == 0, what="Redis's count back to 0")
 
 
 @pytest.fixture

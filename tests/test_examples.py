@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from pd_router.cli import build_router, parse_router_args, router_parser
+from pd_router.redis_client import parse_url
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KUBERNETES = EXAMPLES / "kubernetes"
@@ -115,20 +116,22 @@ def _router_args() -> tuple[dict[str, Any], argparse.Namespace]:
     container = _container(deployment)
     env = {e["name"]: e for e in container.get("env", [])}
     # Settings may come from PD_ROUTER_* variables; the secret ones from a Secret.
+
+    def expanded(text: str) -> str:
+        # The kubelet expands $(VAR) from the container's env; here only secrets are used.
+        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text):
+            assert var in env, f"$({var}) used by the router but not in its env"
+            assert "secretKeyRef" in env[var].get("valueFrom", {}), f"{var} is not from a Secret"
+            text = text.replace(f"$({var})", "token-from-secret")
+        return text
+
     environ = {}
     for name, entry in env.items():
         if "secretKeyRef" in entry.get("valueFrom", {}):
             environ[name] = "token-from-secret"
         elif "value" in entry:
-            environ[name] = str(entry["value"])
-    # The kubelet expands $(VAR) from the container's env: the token comes from a Secret.
-    args = []
-    for arg in container["args"]:
-        for var in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
-            assert var in env, f"$({var}) used in the router args but not in its env"
-            assert "secretKeyRef" in env[var].get("valueFrom", {}), f"{var} is not from a Secret"
-            arg = arg.replace(f"$({var})", "token-from-secret")
-        args.append(arg)
+            environ[name] = expanded(str(entry["value"]))
+    args = [expanded(arg) for arg in container["args"]]
     return deployment, _parse_router_args(args, environ)
 
 
@@ -143,6 +146,17 @@ def test_router_deployment() -> None:
 
     assert args.host == "0.0.0.0"
     assert args.admin_token == "token-from-secret"
+    # The replicas share one pool: its Redis is the example's, its password a secret.
+    state = parse_url(args.state)
+    assert (state.host, state.port, state.password) == (
+        "pd-router-state",
+        6379,
+        "token-from-secret",
+    )
+    service = _find("Service", "pd-router-state")
+    assert service["spec"]["ports"][0]["port"] == state.port
+    redis = _container(_find("StatefulSet", "pd-router-state"))
+    assert "--requirepass" in " ".join(redis["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert args.port in ports.values()
 

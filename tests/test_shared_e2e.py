@@ -12,13 +12,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 
-from pd_router.redis_client import Redis, parse_url
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, slots_in_use, wait_for
 from tests.redis_server import RedisServer
 
 STREAM = {"model": "sim-model", "prompt": "hello shared pool", "max_tokens": 20, "stream": True}
@@ -41,18 +39,6 @@ def routers(
             for _ in range(count)
         ]
         yield started
-
-
-def used_slots(server: RedisServer) -> dict[str, int]:
-    async def read() -> Any:
-        client = Redis(parse_url(server.url), timeout=1.0)
-        try:
-            return await client.call("HGETALL", "{pdr}:used")
-        finally:
-            await client.aclose()
-
-    flat = anyio.run(read)
-    return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def stream(url: str, body: dict[str, Any] = STREAM, timeout: float = 60) -> httpx.Response:
@@ -83,7 +69,7 @@ def test_a_burst_wider_than_the_pool_never_puts_more_on_an_engine_than_its_slots
         assert min(peaks) == 2, "the burst filled every slot"
         for router in rs:
             router.assert_idle()
-        wait_for(lambda: set(used_slots(redis_server).values()) <= {0}, what="Redis's count")
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
 
 
 def test_a_killed_router_gives_its_slots_back_within_the_lease(
@@ -99,13 +85,13 @@ def test_a_killed_router_gives_its_slots_back_within_the_lease(
         holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
         for holder in holders:
             holder.start()
-        wait_for(lambda: sum(used_slots(redis_server).values()) == 2, what="both slots held")
+        wait_for(lambda: slots_in_use(redis_server.url) == 2, what="both slots held")
         doomed.kill()  # SIGKILL: it gives nothing back itself
         killed = time.monotonic()
         answer = stream(survivor.url)
         assert answer.status_code == 200
         assert time.monotonic() - killed < 10 + 5, "within the 10 s lease, and the stream"
-        wait_for(lambda: sum(used_slots(redis_server).values()) == 0, what="slots back")
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="slots back")
 
 
 def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
@@ -116,7 +102,7 @@ def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
         long = {**STREAM, "max_tokens": 100}
         before = threading.Thread(target=lambda: answers.append(stream(router.url, long)))
         before.start()
-        wait_for(lambda: sum(used_slots(redis_server).values()) == 1, what="a stream in flight")
+        wait_for(lambda: slots_in_use(redis_server.url) == 1, what="a stream in flight")
         redis_server.kill()
         refused = stream(router.url)
         assert refused.status_code == 503
@@ -132,4 +118,4 @@ def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
         )
         assert stream(router.url).status_code == 200
         router.assert_idle()
-        wait_for(lambda: set(used_slots(redis_server).values()) <= {0}, what="Redis's count")
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
