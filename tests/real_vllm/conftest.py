@@ -29,9 +29,12 @@ REAL_VLLM_TIMEOUT = 900
 BLOCK_SIZE = 32
 # The prefill engine's KV lease (vLLM's default is 30 s). Longer, because this machine can
 # stall for tens of seconds (measured: 10-40 s several times an hour while two CPU engines
-# and other work share its 2 cores, a `sleep 5` loop included); a stall must not turn
-# into expired KV. Tests check that KV is freed far sooner than any lease.
-KV_LEASE = 120
+# and other work share its 2 cores, a `sleep 5` loop included), and because the pair's
+# first NIXL handshake, ~0.6 s on a quiet machine, took 2 min in a loaded CI run: its KV
+# expired 4 s before the decode engine pulled it (the prefill log said so), and a later
+# test saw the expiry counter move. A stall must not turn into expired KV. Tests check that
+# KV is freed far sooner than any lease.
+KV_LEASE = 300
 # The engines' HTTP keep-alive (vLLM's default is 5 s). The router drops idle upstream
 # connections after 4 s, before the engine does; a long stall of this machine could still
 # let the engine close one the router is about to reuse, so the engines wait longer here.
@@ -67,8 +70,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _progress_on_the_terminal(pytestconfig: pytest.Config) -> None:
     """The minutes of installing and starting engines say what they do, live."""
     terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if terminal is not None:
-        engines.progress = lambda message: terminal.write_line(f"[real vLLM] {message}")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    if terminal is None or capture is None:
+        return
+
+    def say(message: str) -> None:
+        # Output is captured while fixtures set up, the terminal's included: let it through.
+        with capture.global_and_fixture_disabled():
+            terminal.write_line(f"[real vLLM] {message}")
+
+    engines.progress = say
 
 
 @pytest.fixture(scope="package")
