@@ -11,12 +11,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, slots_in_use, wait_for
 
 REQUESTS = 1200
 CONCURRENCY = 24
@@ -75,7 +76,7 @@ class Chaos(threading.Thread):
                 engine.configure(fail_status=None, fail_after_tokens=None)
 
 
-async def drive(router: RouterProcess, seed: int) -> Counter[str]:
+async def drive(routers: list[RouterProcess], seed: int) -> Counter[str]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -90,7 +91,7 @@ async def drive(router: RouterProcess, seed: int) -> Counter[str]:
             "max_tokens": rng.randint(1, 30),
             "stream": stream,
         }
-        url = f"{router.url}/v1/completions"
+        url = f"{routers[i % len(routers)].url}/v1/completions"
         if rng.random() < 0.15:
             # A client that hangs up at a random moment: before, during or after anything.
             try:
@@ -113,19 +114,26 @@ async def drive(router: RouterProcess, seed: int) -> Counter[str]:
     return outcomes
 
 
-def test_chaos(fleet: SimFleet) -> None:
-    args = ("--decode-slots", "8", "--queue-timeout", "5", "--health-interval", "0.2")
+@pytest.mark.parametrize("routers", [1, 3], ids=["one-router", "three-routers-one-pool"])
+def test_chaos(fleet: SimFleet, routers: int, request: pytest.FixtureRequest) -> None:
+    args = ["--decode-slots", "8", "--queue-timeout", "5", "--health-interval", "0.2"]
+    if routers > 1:
+        args += ["--state", request.getfixturevalue("redis_server").url]
     engines = [e.url for e in fleet.prefill], [e.url for e in fleet.decode]
-    with RouterProcess(*engines, *args, "--admin-token", TOKEN) as router:
+    with ExitStack() as stack:
+        started = [
+            stack.enter_context(RouterProcess(*engines, *args, "--admin-token", TOKEN))
+            for _ in range(routers)
+        ]
         chaos = Chaos(fleet, seed=7)
-        started = time.monotonic()
+        begun = time.monotonic()
         chaos.start()
         try:
-            outcomes = asyncio.run(drive(router, seed=11))
+            outcomes = asyncio.run(drive(started, seed=11))
         finally:
             chaos.stopping.set()
             chaos.join(90)
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - begun
         print(
             f"\nchaos: {sum(outcomes.values())} requests in {elapsed:.1f}s, {dict(outcomes)}, "
             f"{chaos.kills} engine kills, {chaos.error_bursts} error bursts"
@@ -138,22 +146,24 @@ def test_chaos(fleet: SimFleet) -> None:
         for engine in fleet.engines:
             if engine.pid is None:
                 engine.start().wait_healthy(60)
-        router.assert_idle()
-        wait_for(lambda: router.metrics()["pd_router_in_flight"] == 0, what="bindings empty")
-        nodes = httpx.get(
-            f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}
-        ).json()
-        assert nodes["in_flight"] == 0
-        assert all(node["bound_requests"] == [] for node in nodes["nodes"])
-        metrics = router.metrics()
-        counted = {
-            k.split("outcome=")[1].rstrip("}"): v
-            for k, v in metrics.items()
-            if k.startswith("pd_router_requests_total")
-        }
-        # A client that hung up before its request reached the router is never seen by it;
+        counted: Counter[str] = Counter()
+        for router in started:
+            router.assert_idle()
+            wait_for(lambda: router.metrics()["pd_router_in_flight"] == 0, what="bindings empty")
+            nodes = httpx.get(
+                f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).json()
+            assert nodes["in_flight"] == 0
+            assert all(node["bound_requests"] == [] for node in nodes["nodes"])
+            for key, value in router.metrics().items():
+                if key.startswith("pd_router_requests_total"):
+                    counted[key.split("outcome=")[1].rstrip("}")] += int(value)
+        if routers > 1:
+            state = args[args.index("--state") + 1]
+            wait_for(lambda: slots_in_use(state) == 0, what="no slot left held in Redis")
+        # A client that hung up before its request reached a router is never seen by it;
         # every other request is counted once, under one outcome.
-        print(f"router outcomes: {counted}")
+        print(f"router outcomes: {dict(counted)}")
         assert REQUESTS - outcomes["hung_up"] <= sum(counted.values()) <= REQUESTS
         assert counted.get("ok", 0) >= outcomes["ok"]
         assert counted.get("client_aborted", 0) <= outcomes["hung_up"]
