@@ -14,8 +14,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .errors import Aborted
+from .fleet import Fleet
 from .nodes import Node, check_labels, normalise_url
 from .relay import Relay, Router
+from .remote_abort import Outcome, RemoteAborts
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -25,8 +27,11 @@ def _json(document: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
-    error = {"message": message, "type": "admin_error", "param": param, "code": code}
-    return _json({"error": error}, status)
+    return _json(_error_body(message, code, param), status)
+
+
+def _error_body(message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "admin_error", "param": param, "code": code}}
 
 
 def node_view(node: Node) -> dict[str, Any]:
@@ -45,7 +50,26 @@ def node_view(node: Node) -> dict[str, Any]:
     }
 
 
-def admin_routes(router: Router, token: str) -> list[Route]:
+def abort_here(fleet: Fleet, rid: str) -> Outcome:
+    """Abort a request this router holds, in two phases; 404 when it holds none by that id."""
+    relay = fleet.requests.get(rid)
+    if not isinstance(relay, Relay):
+        return 404, _error_body(f"no request {rid!r} in flight", "not_found")
+    # 1. Collect what the client has had (read-only).
+    partial = {"bytes_sent": relay.client.bytes_sent, "streaming": relay.client.started}
+    # 2. Make the engines stop. If that fails, nothing is committed: the binding stays
+    #    and the abort can be retried.
+    try:
+        relay.close_upstream()
+    except Exception as exc:
+        return 502, _error_body(f"closing the engine streams failed: {exc}", "abort_failed")
+    # 3. Commit: one terminal "abort" outcome to the client; slot and bindings released.
+    relay.fail(Aborted("request aborted by an operator"))
+    return 200, {"id": rid, "aborted": True, **partial}
+
+
+def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None) -> list[Route]:
+    """``remote``: with a shared state, an abort reaches the router that holds the request."""
     fleet = router.fleet
     expected = f"Bearer {token}".encode()
 
@@ -121,20 +145,10 @@ def admin_routes(router: Router, token: str) -> list[Route]:
 
     async def abort_request(request: Request) -> Response:
         rid = request.path_params["request_id"]
-        relay = fleet.requests.get(rid)
-        if not isinstance(relay, Relay):
-            return _error(404, f"no request {rid!r} in flight", "not_found")
-        # 1. Collect what the client has had (read-only).
-        partial = {"bytes_sent": relay.client.bytes_sent, "streaming": relay.client.started}
-        # 2. Make the engines stop. If that fails, nothing is committed: the binding stays
-        #    and the abort can be retried.
-        try:
-            relay.close_upstream()
-        except Exception as exc:
-            return _error(502, f"closing the engine streams failed: {exc}", "abort_failed")
-        # 3. Commit: one terminal "abort" outcome to the client; slot and bindings released.
-        relay.fail(Aborted("request aborted by an operator"))
-        return _json({"id": rid, "aborted": True, **partial})
+        status, document = abort_here(fleet, rid)
+        if status == 404 and remote is not None:
+            status, document = await remote.abort(rid) or (status, document)
+        return _json(document, status)
 
     return [
         Route("/admin/nodes", guarded(list_nodes), methods=["GET"]),

@@ -19,12 +19,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .admin import admin_routes
+from .admin import abort_here, admin_routes
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe_forever, supervise, watch_stalls
 from .lag import LoopLag
 from .relay import Relay, Router
+from .remote_abort import RemoteAborts
 from .response import ClientStream
+from .shared_pool import SharedPool
 from .validation import PATHS, Endpoint, parse_body, request_id
 
 MAX_BODY_BYTES = 32 << 20
@@ -103,6 +105,9 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     options = options or AppOptions()
     registry = router.telemetry.registry
     fleet = router.fleet
+    remote = None
+    if isinstance(fleet.pool, SharedPool):
+        remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
 
     async def models(request: Request) -> Response:
         serving = set(fleet.serving_view())
@@ -173,6 +178,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(supervise, "the stall watch", watch)
                 for name, work in fleet.pool.background():
                     tg.start_soon(supervise, name, work)
+                if remote is not None:
+                    tg.start_soon(supervise, "the abort channel", remote.run)
                 stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
                 tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield
@@ -190,7 +197,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
-        routes.extend(admin_routes(router, options.admin_token))
+        routes.extend(admin_routes(router, options.admin_token, remote))
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:

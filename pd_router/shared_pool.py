@@ -46,6 +46,8 @@ log = logging.getLogger("pd_router.shared_pool")
 LEASE = 10.0
 # Between tries of a release or a renewal while Redis is away.
 RETRY = 0.5
+# Releases sent in one round trip at most (a script's arguments stay small).
+RELEASE_BATCH = 256
 
 _ACQUIRE = Script(scripts.ACQUIRE)
 _RELEASE = Script(scripts.RELEASE)
@@ -275,18 +277,36 @@ class SharedPool(DecodePool):
                 await anyio.sleep(RETRY)
 
     async def _work(self) -> None:
-        async for kind, resid, url in self._pending:
+        """Send the releases (and renewals) queued since the last round trip, all at once:
+        one at a time, releases fell behind acquisitions under load, and Redis counted
+        slots long given back (729 counted with 64 requests in flight)."""
+        async for job in self._pending:
+            batch = [job]
+            while len(batch) < RELEASE_BATCH:
+                try:
+                    batch.append(self._pending.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            releases = [
+                item
+                for kind, resid, url in batch
+                if kind == "release"
+                for item in (resid, "1" if self._takes_new(url) else "0")
+            ]
+            renew = any(kind == "renew" for kind, _, _ in batch)
             while True:
                 try:
-                    if kind == "release":
-                        node = self._by_url(url)
-                        usable = "1" if node is not None and node.state in self.usable else "0"
-                        await self._run(_RELEASE, [self.router_id, resid, usable])
-                    else:
+                    if releases:
+                        await self._run(_RELEASE, [self.router_id, *releases])
+                    if renew:
                         await self._renew()
                     break
                 except Unavailable:
                     await anyio.sleep(RETRY)
+
+    def _takes_new(self, url: str) -> bool:
+        node = self._by_url(url)
+        return node is not None and node.state in self.usable
 
     async def _renew(self) -> None:
         usable = [node.url for node in self.nodes if node.state in self.usable]

@@ -94,13 +94,19 @@ end
 return {'busy'}
 """
 
-# ARGV: router, reservation id, "1" if its node takes new requests -> 1 released, 0 not held
+# ARGV: router, then pairs of (reservation id, "1" if its node takes new requests)
+# -> how many were held (a release of an id no longer held does nothing)
 RELEASE = _COMMON + """
-local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
-if not url then return 0 end
-redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[2])
-hand_over(url, ARGV[3] == '1')
-return 1
+local released = 0
+for i = 2, #ARGV, 2 do
+  local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[i])
+  if url then
+    redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[i])
+    hand_over(url, ARGV[i + 1] == '1')
+    released = released + 1
+  end
+end
+return released
 """
 
 # ARGV: router, reservation id -> {"left"} | {"granted", url} | {"gone"}

@@ -119,3 +119,33 @@ def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
         assert stream(router.url).status_code == 200
         router.assert_idle()
         wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
+
+
+def test_an_abort_sent_to_any_router_reaches_the_one_holding_the_request(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    admin = {"authorization": "Bearer admin"}
+    with routers(fleet, redis_server, 2, "--admin-token", "admin") as (holder, other):
+        answers: list[httpx.Response] = []
+        body = {**STREAM, "max_tokens": 2000}
+        headers = {"x-request-id": "far-away"}
+
+        def client() -> None:
+            url = f"{holder.url}/v1/completions"
+            answers.append(httpx.post(url, json=body, headers=headers, timeout=60))
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        wait_for(lambda: slots_in_use(redis_server.url) == 1, what="the stream under way")
+        time.sleep(0.3)  # a few tokens out
+        aborted = httpx.post(f"{other.url}/admin/requests/far-away/abort", headers=admin)
+        assert aborted.status_code == 200
+        assert aborted.json()["aborted"] is True and aborted.json()["streaming"] is True
+        thread.join(30)
+        events = [e for e in answers[0].text.split("\n\n") if e]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "abort"
+        assert events[-1] == "data: [DONE]"
+        missing = httpx.post(f"{other.url}/admin/requests/nobody/abort", headers=admin)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        holder.assert_idle()
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
