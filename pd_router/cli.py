@@ -344,7 +344,7 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
     logs.configure(args.log_level, args.log_format)
     # ``router`` was the check that the flags make one; it is not a worker's: each must be a
     # router of its own to the shared pool (its own id and lease), so each builds its own.
-    code = workers.supervise(args.workers, partial(_work, args, sock))
+    code = workers.supervise(args.workers, partial(_work, args, sock), sock)
     if code:
         raise SystemExit(code)
 

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -39,15 +40,16 @@ _SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
 _PR_SET_PDEATHSIG = 1
 
 
-def supervise(count: int, work: Callable[[int], None]) -> int:
+def supervise(count: int, work: Callable[[int], None], sock: socket.socket) -> int:
     """Run ``work(K)`` in worker processes K = 1..count, each started again when it ends on
-    its own, until SIGTERM or SIGINT, which every worker is sent. Returns the exit status:
-    0 if every worker ended well after it."""
+    its own, until SIGTERM or SIGINT, which every worker is sent. ``sock`` is the socket
+    they serve, closed here once none will be started again. Returns the exit status: 0
+    if every worker ended well after the signal."""
     # Blocked and taken with sigtimedwait rather than handled: the loop below is all the
     # parent does, and a handler running between two of its steps would be a second one.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
-        return _Supervisor(work, mask).run(count)
+        return _Supervisor(work, mask, sock).run(count)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
@@ -68,9 +70,12 @@ def tag_logs(worker: int, fmt: str) -> None:
 
 
 class _Supervisor:
-    def __init__(self, work: Callable[[int], None], mask: Iterable[int]) -> None:
+    def __init__(
+        self, work: Callable[[int], None], mask: Iterable[int], sock: socket.socket
+    ) -> None:
         self.work = work
         self.mask = mask
+        self.sock = sock
         self.running: dict[int, int] = {}  # pid: worker
         self.due: dict[int, float] = {}  # worker: when to start it again
         self.starts: dict[int, deque[float]] = {}
@@ -144,6 +149,9 @@ class _Supervisor:
         log.info("%s: stopping %d workers", signal.Signals(sig).name, len(self.running))
         self.stopping.add(sig)
         self.due.clear()
+        # As a single router does: new connections refused at once once the workers close
+        # theirs, rather than queued for no one until the parent exits.
+        self.sock.close()
         # An exited worker stays a zombie until reaped: its PID cannot be anyone else's yet.
         for pid in self.running:
             os.kill(pid, sig)
