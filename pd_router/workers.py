@@ -93,11 +93,9 @@ class _Supervisor:
                 info = signal.sigwaitinfo(_SIGNALS)
             else:
                 info = signal.sigtimedwait(_SIGNALS, max(0.0, soonest - time.monotonic()))
-            if info is None:
-                pass
-            elif info.si_signo == signal.SIGCHLD:
+            if info is not None and info.si_signo == signal.SIGCHLD:
                 self.reap()
-            else:
+            elif info is not None:
                 self.stop(info.si_signo)
             now = time.monotonic()
             for worker in [w for w, when in self.due.items() if when <= now]:
