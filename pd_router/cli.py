@@ -22,7 +22,7 @@ from typing import Any
 
 import uvicorn
 
-from . import config, logs
+from . import config, logs, workers
 from .app import MAX_BODY_BYTES, AppOptions, create_app
 from .client_protocol import (
     BODY_TIMEOUT,
@@ -76,6 +76,18 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= workers.MAX_WORKERS:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 1 and <= {workers.MAX_WORKERS}, got {text!r}"
+        )
     return value
 
 
@@ -140,6 +152,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--state", str, None, "URL",
      "redis://[user:pass@]host:port/db (or rediss://): share the decode slots and their "
      "queue with every router on that Redis; unset, this process keeps its own"),
+    ("--workers", _workers, 1, "N",
+     "router processes serving the port, each a whole router; more than 1 needs --state"),
     ("--admin-token", str, None, "TOKEN",
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
@@ -222,9 +236,16 @@ def parse_router_args(
         action.required = False
     given = vars(parser.parse_args(argv))
     try:
-        return argparse.Namespace(**config.resolve(options, given, environ))
+        args = argparse.Namespace(**config.resolve(options, given, environ))
     except config.ConfigError as exc:
         parser.error(str(exc))
+    if args.workers > 1 and args.state is None:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --workers {args.workers} needs --state: without a shared "
+            "pool each worker would count the slots on its own\n",
+        )
+    return args
 
 
 def _shown(default: Any) -> str:
@@ -316,7 +337,28 @@ def address(host: str, port: int) -> str:
 
 
 def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None:
+    """Serve on ``sock`` until SIGTERM or SIGINT, here or in ``--workers`` processes."""
+    if args.workers == 1:
+        _serve(args, router, sock)
+        return
     logs.configure(args.log_level, args.log_format)
+    # ``router`` was the check that the flags make one; it is not a worker's: each must be a
+    # router of its own to the shared pool (its own id and lease), so each builds its own.
+    code = workers.supervise(args.workers, partial(_work, args, sock), sock)
+    if code:
+        raise SystemExit(code)
+
+
+def _work(args: argparse.Namespace, sock: socket.socket, worker: int) -> None:
+    _serve(args, build_router(args), sock, worker)
+
+
+def _serve(
+    args: argparse.Namespace, router: Router, sock: socket.socket, worker: int | None = None
+) -> None:
+    logs.configure(args.log_level, args.log_format)
+    if worker is not None:
+        workers.tag_logs(worker, args.log_format)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,
