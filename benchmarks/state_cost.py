@@ -1,7 +1,7 @@
 """What ``--state redis://...`` costs the router: CPU per request and added TTFT.
 
     python benchmarks/state_cost.py --quick          # ~10 s
-    python benchmarks/state_cost.py                  # ~70 s: 6 rounds of 5000 + 1000
+    python benchmarks/state_cost.py                  # ~90 s: 6 rounds of 5000 + 1000
     python benchmarks/state_cost.py --decode-slots 1024 --profile
 
 Starts, on 127.0.0.1, one set of simulated engines (1 prefill, 2 decode, instant: ``--ttft 0
