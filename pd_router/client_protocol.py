@@ -42,7 +42,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import HeadTooLarge, RequestTimeout, RouterError, ShuttingDown, TooManyConnections
+from .errors import (
+    BadRequest,
+    HeadTooLarge,
+    RequestTimeout,
+    RouterError,
+    ShuttingDown,
+    TooManyConnections,
+)
 
 # Far above what any OpenAI client sends (a few hundred bytes), far below what hurts.
 MAX_HEAD_BYTES = 64 << 10
@@ -179,6 +186,12 @@ class ClientProtocol(HttpToolsProtocol):
         self._head = 0
         self._unwatch()
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answer to bytes that are not HTTP is plain text; the router's
+        # errors are all OpenAI-shaped JSON.
+        self.transport.write(_answer(BadRequest(msg)))
+        self.transport.close()
 
     def shutdown(self) -> None:
         if self._phase == "closing":

@@ -263,3 +263,15 @@ def test_sigterm_does_not_wait_for_a_client_that_stopped_reading() -> None:
                 # Shutdown timeout, then LINGER (2 s) for the failed stream's last words.
                 assert router.wait_exit(timeout=1 + 2 + 3) == 0, router.log()[-2000:]
                 assert time.monotonic() - started < 1 + 2 + 3
+
+
+def test_bytes_that_are_not_http_get_an_openai_shaped_400(fleet: SimFleet) -> None:
+    """uvicorn's own answer was plain text."""
+    with router_for(fleet) as router:
+        sock = connect(router)
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, headers, body = read_response(sock)
+        assert (status, headers["content-type"]) == (400, "application/json")
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+        assert ends(sock, 5) == b""
+        assert complete(router, "after the garbage").status_code == 200
