@@ -214,6 +214,14 @@ class ShuttingDown(Unavailable):
     outcome = "shutting_down"
 
 
+class StateUnavailable(Unavailable):
+    """The shared state (``--state``, ``shared_pool.py``) did not answer: no slot can be
+    reserved."""
+
+    code = "shared_state_unavailable"
+    outcome = "state_unavailable"
+
+
 class NodeDead(UpstreamError):
     """The request's engine was found dead; it fails the requests bound to it, and only them."""
 

@@ -34,7 +34,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import shared_scripts as scripts
-from .errors import Busy, QueueTimeout, RouterError, Unavailable, fresh
+from .errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
 from .nodes import Node
 from .pool import DecodePool, Reservation, Waiter
 from .redis_client import Redis, RedisError, RedisUnavailable, Script
@@ -54,13 +54,6 @@ _RELEASE = Script(scripts.RELEASE)
 _ABANDON = Script(scripts.ABANDON)
 _RENEW = Script(scripts.RENEW)
 _REGISTER = Script(scripts.REGISTER)
-
-
-class StateUnavailable(Unavailable):
-    """Redis did not answer (``--state``): no slot can be reserved."""
-
-    code = "shared_state_unavailable"
-    outcome = "state_unavailable"
 
 
 class SharedReservation(Reservation):
