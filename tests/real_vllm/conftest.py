@@ -14,11 +14,18 @@ tokens. The KV lease and the HTTP keep-alive are raised (see ``KV_LEASE`` and
 
 A test marked ``breaks_vllm_pair`` (it stops an engine for good) runs after every other
 test that uses the pair.
+
+This machine can stand still for minutes (the kernel logs workqueue lockups on both vCPUs),
+and vLLM does not always live through it: its NIXL handshake gives up after 5 s (a constant
+in vLLM), and an engine whose model worker has not answered for 300 s ends itself. So a
+test that uses the pair runs again once if it fails, on a pair restarted if an engine has
+exited (``VllmPair.revive``); the report of a failure lists each engine's state and last
+errors, which tell a router fault from the machine's. A test that fails twice fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -54,8 +61,11 @@ def _uses_pair(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _uses_pair(item) and not item.get_closest_marker("timeout"):
+        if not _uses_pair(item):
+            continue
+        if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(REAL_VLLM_TIMEOUT))
+        item.add_marker(pytest.mark.flaky(reruns=1))
     # Tests that break the pair go after the others that use it, in the same places of the
     # session order (the rest of the session is not reordered).
     slots = [i for i, item in enumerate(items) if _uses_pair(item)]
@@ -82,6 +92,10 @@ def _progress_on_the_terminal(pytestconfig: pytest.Config) -> None:
     engines.progress = say
 
 
+# The pair of this session, once started: a failed test's report describes it.
+_started: list[VllmPair] = []
+
+
 @pytest.fixture(scope="package")
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
     with VllmPair(
@@ -90,4 +104,30 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
         kv_extra_config={"kv_lease_duration": KV_LEASE},
         extra_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE)},
     ) as pair:
-        yield pair
+        _started.append(pair)
+        try:
+            yield pair
+        finally:
+            _started.remove(pair)
+
+
+@pytest.fixture(autouse=True)
+def _live_pair(request: pytest.FixtureRequest) -> None:
+    """Runs before each test's own function-scoped fixtures: a pair with an engine that has
+    exited is restarted, and the module's router (if the test uses it) is given time to
+    find both engines serving again."""
+    if not _uses_pair(request.node):
+        return
+    pair: VllmPair = request.getfixturevalue("vllm_pair")
+    if pair.revive() and "router" in request.fixturenames:
+        request.getfixturevalue("router").wait_healthy(timeout=120)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and _uses_pair(item) and _started:
+        report.sections.append(("real vLLM engines", _started[-1].diagnosis()))
+    return report

@@ -685,6 +685,41 @@ class VllmPair(_Harness):
             raise
         return self
 
+    def revive(self) -> bool:
+        """Restart both engines, on the same ports, if either has exited; True if it did.
+
+        vLLM ends an engine whose model worker has not answered for
+        ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, and this machine has stood still for
+        minutes (kernel: workqueue lockups on both vCPUs, 19:17-19:23 in one CI run, when
+        the decode engine died that way). One test fails then; the rest need a live pair.
+        """
+        if all(e.alive() for e in self.engines):
+            return False
+        with step("an engine had exited: restarting the pair on the same ports"):
+            for e in (self.decode, self.prefill):
+                if e is not None:
+                    e.stop()
+            for e in self.engines:
+                e.start()
+            wait_healthy(self.engines, self.startup_timeout)
+        return True
+
+    def diagnosis(self, lines: int = 12) -> str:
+        """For a failed test's report: each engine's state and the last errors in its log."""
+        parts = []
+        for e in self.engines:
+            state = (
+                "running" if e.alive() else f"exited with {e.proc.returncode if e.proc else None}"
+            )
+            errors = [
+                line
+                for line in tail_file(e.log_path, 4000).splitlines()
+                if " ERROR " in line or "Traceback" in line or "fatal" in line
+            ]
+            parts.append(f"--- {e.role} engine (pid {e.pid}): {state}; log {e.log_path}")
+            parts += [line[:300] for line in errors[-lines:]] or ["(no ERROR lines)"]
+        return "\n".join(parts)
+
     def stop(self) -> None:
         # Stop both even if one stop raises; decode first (it may be pulling from prefill).
         errors = []
