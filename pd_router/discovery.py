@@ -82,7 +82,11 @@ def parse_dns_spec(text: str, role: Role) -> DnsSpec:
             raise ValueError(f"{text!r}: unknown option {key!r} (did you mean slots?)")
         else:
             labels[key] = value
-    return DnsSpec(role, *_target(target, text), slots, check_labels(labels))
+    try:
+        checked = check_labels(labels)
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    return DnsSpec(role, *_target(target, text), slots, checked)
 
 
 def dns_spec(
