@@ -128,6 +128,17 @@ def marked(mark: str) -> list[int]:
             {},
             "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
         ),
+        (
+            ["demo", "--decode-dns", "decode.ns:8200"],
+            {},
+            "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
+        ),
+        (
+            ["--prefill", "http://127.0.0.1:9", "--decode-dns", "decode.ns:8200,slot=2"],
+            {},
+            "pd-router: error: --decode-dns: 'decode.ns:8200,slot=2': unknown option 'slot' "
+            "(did you mean slots?)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(

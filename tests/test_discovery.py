@@ -30,7 +30,9 @@ def setup(*static: str) -> tuple[Fleet, Discovery, Clock]:
     return fleet, Discovery([Group(spec)], decode_slots=4, drain_timeout=30), clock
 
 
-def answer(fleet: Fleet, discovery: Discovery, *addresses: str, failure: str | None = None):  # type: ignore[no-untyped-def]
+def answer(
+    fleet: Fleet, discovery: Discovery, *addresses: str, failure: str | None = None
+) -> list[Node]:
     return apply(discovery.groups[0], Answer(frozenset(addresses), failure), fleet, discovery)
 
 
