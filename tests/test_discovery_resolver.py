@@ -1,6 +1,6 @@
 """Lookups against a real DNS server on 127.0.0.1 (``tests/dns_server.py``), under asyncio
 and trio: A and AAAA, SRV, NXDOMAIN and NODATA (empty), SERVFAIL and a server that is gone
-(failed), and an SRV target that fails."""
+(failed), and an SRV target that fails; and one round of the discovery loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_router.discovery import Answer, parse_dns_spec
+from pd_router.discovery import Answer, Discovery, Group, parse_dns_spec
+from pd_router.discovery_loop import discover_once
+from pd_router.fleet import Fleet
+from pd_router.nodes import Node, State
 from pd_router.resolver import Resolver
 from tests.dns_server import DnsServer
 
@@ -86,3 +89,38 @@ async def test_no_server_fails_the_lookup_within_its_timeout() -> None:
         parse_dns_spec("decode.test:8200", "decode")
     )
     assert answer.outcome == "failed" and "no answer within 0.3 s" in str(answer.failure)
+
+
+async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> None:
+    """One round of the discovery loop as the router runs it, on this backend: lookups of
+    every name at once, the plan applied, the new nodes probed (here: answered at once)."""
+    fleet = Fleet([], [])
+    discovery = Discovery(
+        [
+            Group(parse_dns_spec("prefill.test:8100", "prefill")),
+            Group(parse_dns_spec("decode.test:8200,slots=3", "decode")),
+        ]
+    )
+    probed: list[str] = []
+
+    async def probe(node: Node) -> None:
+        probed.append(node.url)
+        fleet.probed(node)
+
+    server.set(
+        {"prefill.test.": {"A": ["10.0.0.1"]}, "decode.test.": {"A": ["10.0.1.1", "10.0.1.2"]}}
+    )
+    await discover_once(discovery, fleet, resolver(server).lookup, probe)
+    assert sorted(probed) == [
+        "http://10.0.0.1:8100",
+        "http://10.0.1.1:8200",
+        "http://10.0.1.2:8200",
+    ]
+    assert [(n.url, n.slots, n.state) for n in fleet.pool.nodes] == [
+        ("http://10.0.1.1:8200", 3, State.SERVING),
+        ("http://10.0.1.2:8200", 3, State.SERVING),
+    ]
+    server.set({"prefill.test.": {"rcode": "SERVFAIL"}, "decode.test.": {"A": ["10.0.1.2"]}})
+    await discover_once(discovery, fleet, resolver(server).lookup, probe)
+    assert [n.url for n in fleet.nodes] == ["http://10.0.0.1:8100", "http://10.0.1.2:8200"]
+    assert discovery.groups[0].lookups == {"ok": 1, "empty": 0, "failed": 1}
