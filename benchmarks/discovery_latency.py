@@ -7,8 +7,9 @@ Starts, on 127.0.0.1, the tests' DNS server (``tests/dns_server.py``), one simul
 prefill engine, two simulated decode engines and the router with nothing but
 ``--prefill-dns`` and ``--decode-dns`` (SRV, so that engines on one IP differ by port),
 ``--health-interval`` at its default. Four clients send short requests all along. Each
-round waits a random part of an interval, adds the second decode engine to the SRV records and times the change to the first
-request that engine receives (polled every 10 ms), then takes it out again and waits
+round waits a random part of an interval, adds the second decode engine to the SRV
+records and times the change to the first request that engine receives (polled every
+10 ms), then takes it out again and waits
 until the router has removed it. Prints each round and min / median / max. The expected
 value is about half an interval (where in its sleep the loop was) plus a probe and the next
 request; the worst case about one interval. Every process is stopped by its PID.

@@ -9,7 +9,7 @@ import pytest
 from pd_router.discovery import GONE, Answer, Discovery, Group, dns_spec, parse_dns_spec
 from pd_router.discovery_loop import apply
 from pd_router.fleet import Fleet
-from pd_router.nodes import Evidence, Failure, State, make_nodes
+from pd_router.nodes import Evidence, Failure, Node, State, make_nodes
 
 A, B, C = "http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.3:8200"
 
@@ -202,7 +202,7 @@ def test_an_address_back_before_removal_rejoins_under_its_id_after_removal_gets_
     a.bound.clear()
     answer(fleet, discovery, B)  # gone, and empty: removed at once
     assert a not in fleet.pool.nodes
-    (again,) = [node for node in answer(fleet, discovery, A, B) if node.url == A]
+    (again,) = (node for node in answer(fleet, discovery, A, B) if node.url == A)
     assert again.id != a.id
 
 

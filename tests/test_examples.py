@@ -195,11 +195,11 @@ def test_router_discovers_every_engine_through_its_headless_service(role: str) -
         assert service["spec"]["clusterIP"] == "None", "only a headless Service lists pod IPs"
         assert not service["spec"].get("publishNotReadyAddresses", False)
         assert spec.port in {p["port"] for p in service["spec"]["ports"]}
-        (sts,) = [
+        (sts,) = (
             doc
             for _, doc in _k8s_docs()
             if doc["kind"] == "StatefulSet" and doc["spec"]["serviceName"] == spec.name
-        ]
+        )
         assert service["spec"]["selector"].items() <= (
             sts["spec"]["template"]["metadata"]["labels"].items()
         )
