@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .nodes import Role, check_labels
+from .nodes import Role, check_labels, parse_slots
 
 Outcome = Literal["ok", "empty", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "empty", "failed")
@@ -77,7 +77,7 @@ def parse_dns_spec(text: str, role: Role) -> DnsSpec:
                 f"{text!r}: expected KEY=VALUE options (slots=N, zone=a), got {option!r}"
             )
         if key == "slots":
-            slots = _slots(value, text)
+            slots = parse_slots(value, text)
         elif difflib.get_close_matches(key.lower(), ["slots"], cutoff=0.75):
             raise ValueError(f"{text!r}: unknown option {key!r} (did you mean slots?)")
         else:
@@ -125,16 +125,6 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
     if not 1 <= port <= 65535:
         raise ValueError(f"{text!r}: the port must be a whole number from 1 to 65535")
     return name, port
-
-
-def _slots(value: str, text: str) -> int:
-    try:
-        slots = int(value)
-    except ValueError:
-        raise ValueError(f"{text!r}: slots must be a whole number, got {value!r}") from None
-    if slots < 1:
-        raise ValueError(f"{text!r}: slots must be at least 1")
-    return slots
 
 
 def url(address: str, port: int) -> str:

@@ -195,13 +195,19 @@ def parse_spec(spec: str) -> NodeSpec:
         key, _, value = option.partition("=")
         if key.strip() != "slots":
             raise ValueError(f"{spec!r}: unknown node option {key!r} (known: slots)")
-        try:
-            slots = int(value)
-        except ValueError:
-            raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
-        if slots < 1:
-            raise ValueError(f"{spec!r}: slots must be at least 1")
+        slots = parse_slots(value, spec)
     return NodeSpec(normalise_url(url, spec), slots)
+
+
+def parse_slots(value: str, spec: str) -> int:
+    """The ``N`` of a ``slots=N`` option of ``spec``."""
+    try:
+        slots = int(value)
+    except ValueError:
+        raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
+    if slots < 1:
+        raise ValueError(f"{spec!r}: slots must be at least 1")
+    return slots
 
 
 _USERINFO = re.compile(r"//[^/@]*@")
