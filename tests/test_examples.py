@@ -307,7 +307,11 @@ _SUFFIXES = {
 
 
 def _router_registry() -> Any:
-    args = _parse_router_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
+    args = _parse_router_args(
+        ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+        # With a name to discover by, so that the discovery families are exported too.
+        + ["--decode-dns", "decode.example:2", "--dns-server", "127.0.0.1:53"]
+    )
     # The registry that /metrics serves.
     return build_router(args).telemetry.registry
 
