@@ -64,9 +64,15 @@ class Load:
         self.stopping = threading.Event()
         self.failures: list[str] = []
         self.done = 0
-        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(clients)]
+        self.threads = [
+            threading.Thread(target=self.run, args=(0.25 * i / clients,), daemon=True)
+            for i in range(clients)
+        ]
 
-    def run(self) -> None:
+    def run(self, stagger: float) -> None:
+        # Clients started together would send in waves, one per answer's length (~0.25 s);
+        # staggered, requests arrive all along, as the timing of a new engine's first needs.
+        time.sleep(stagger)
         deadline = time.monotonic() + 60
         with httpx.Client(timeout=30) as client:
             while not self.stopping.is_set() and time.monotonic() < deadline:
@@ -169,8 +175,8 @@ def test_scale_up_then_down_under_load(
         assert all(n["labels"] == {"pool": "test"} for n in router.nodes() if n["role"] == "decode")
         time.sleep(1)
         assert all(requests_on(engine) > 0 for engine in decode[:3])
-        # Scale down 3 -> 1: streams on the two leaving engines finish; none is sent to
-        # them once they drain, and they leave the fleet once empty.
+        # Scale down 3 -> 1: streams on the two leaving engines finish (the load sees no
+        # failure); they drain, then leave the fleet once empty, and get nothing after.
         ids = router.decode()
         dns.set(records(prefill, decode[:1]))
         wait_for(
@@ -179,10 +185,12 @@ def test_scale_up_then_down_under_load(
             ),
             what="the two leaving engines draining",
         )
-        after_drain = [requests_on(engine) for engine in decode[1:3]]
         wait_for(lambda: set(router.decode()) == {decode[0].url}, what="the two removed")
-        time.sleep(1)
-        assert [requests_on(engine) for engine in decode[1:3]] == after_drain
+        after_removal = [requests_on(engine) for engine in decode[1:3]]
+        done = load.done
+        wait_for(lambda: load.done >= done + 8, what="more requests")
+        assert [requests_on(engine) for engine in decode[1:3]] == after_removal
+        assert all(engine.stats()["active"] == 0 for engine in decode[1:3])
         assert router.decode() == {decode[0].url: ids[decode[0].url]}, "the survivor's id stays"
         metrics = router.metrics()
     assert load.failures == [], load.failures[:3]
