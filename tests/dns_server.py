@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 TTL = 0  # nothing on the way may cache what the tests change
@@ -130,12 +129,7 @@ class DnsServer:
     def __enter__(self) -> DnsServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
         for path in self.dir.iterdir():
             path.unlink()
