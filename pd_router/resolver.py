@@ -54,10 +54,10 @@ class Resolver:
 
     async def lookup(self, spec: DnsSpec) -> Answer:
         try:
-            if spec.srv:
+            # An SRV name has no port of its own (parse_dns_spec): its records give them.
+            if spec.port is None:
                 found = await self._srv(spec.name)
             else:
-                assert spec.port is not None  # nosec B101: parse_dns_spec gives one
                 found = {url(address, spec.port) for address in await self._addresses(spec.name)}
         except _Failed as exc:
             return Answer(failure=str(exc))
