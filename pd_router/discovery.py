@@ -173,8 +173,8 @@ class Group:
         self.members: dict[str, Member] = {}
         self.lookups: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
         self.changes: dict[Change, int] = dict.fromkeys(CHANGES, 0)
-        # The last outcome and failure, so that a lasting failure is logged once.
-        self.last: tuple[Outcome, str | None] | None = None
+        # The last lookup's outcome, so that a lasting failure is logged once.
+        self.last: Outcome | None = None
         self.listed = 0
 
     def update(

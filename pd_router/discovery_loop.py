@@ -3,8 +3,9 @@ what its group decides (``discovery.py``) through the fleet's add / drain / remo
 
 New nodes join and are probed at once, so that one that answers serves within a round
 trip of its lookup rather than at the prober's next tick; the prober takes them on from
-there. Log lines: one per change, and one when a name's lookups start or stop failing (not
-one per failed round: a lasting outage would flood the log; the metrics count every one).
+there. Log lines: one per change, and one when a name's lookups start failing, come back
+empty or answer again (not one per failed round: a lasting outage would flood the log; the
+metrics count every one).
 """
 
 from __future__ import annotations
@@ -111,17 +112,18 @@ def _named(spec: DnsSpec, node: Node) -> tuple[str, str, int, str]:
 
 
 def _log_outcome(group: Group, answer: Answer) -> None:
-    outcome = (answer.outcome, answer.failure)
+    # By outcome only: a server that is away answers "refused" and "timed out" by turns.
+    outcome = answer.outcome
     previous, group.last = group.last, outcome
     if outcome == previous:
         return
-    if answer.outcome == "failed":
+    if outcome == "failed":
         log.warning(
             "%s: lookup failed: %s; the fleet is kept as it is", group.spec.source, answer.failure
         )
-    elif answer.outcome == "empty":
+    elif outcome == "empty":
         log.warning("%s: the name lists no address; the fleet is kept as it is", group.spec.source)
-    elif previous is not None and previous[0] != "ok":
+    elif previous is not None:
         log.info(
             "%s: lookups answer again (%d addresses)", group.spec.source, len(answer.addresses)
         )
