@@ -10,6 +10,7 @@ Kubernetes headless Service's named port publishes them.
 
 from __future__ import annotations
 
+import json
 import subprocess  # nosec B404
 import sys
 import threading
@@ -272,3 +273,31 @@ def test_dns_trouble_keeps_the_fleet(
     assert log.count(srv + "lookup failed: SRV") == 1, log
     assert log.count(a + "lookup failed: A") == 1, log
     assert log.count(srv + "lookups answer again") == 1, log
+
+
+def test_a_gone_engine_still_streaming_after_the_drain_bound_ends_with_the_usual_error(
+    dns: DnsServer, engines: tuple[EngineProcess, list[EngineProcess]]
+) -> None:
+    prefill, decode = engines
+    slow, other = decode[0], decode[1]
+    slow.configure(itl=0.1)  # 200 tokens: 20 s, far beyond the bound
+    dns.set(records(prefill, [slow]))
+    with router_for(dns, prefill, "--discovery-drain-timeout", "1") as router:
+        with httpx.stream(
+            "POST",
+            f"{router.url}/v1/completions",
+            json={**BODY, "max_tokens": 200},
+            timeout=30,
+        ) as response:
+            events = response.iter_lines()
+            assert next(events).startswith("data: ")
+            left = time.monotonic()
+            dns.set(records(prefill, [other]))
+            rest = [line for line in events if line]
+            ended = time.monotonic() - left
+        errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+        assert [e["code"] for e in errors] == ["node_dead"], rest[-3:]
+        assert "was removed" in errors[0]["message"] and rest[-1] == "data: [DONE]"
+        assert 1 <= ended < 1 + 3 * INTERVAL + 1, ended
+        assert set(router.decode()) == {other.url}
+        assert "removed 1 s after it left DNS, failing its 1 requests" in router.log()
