@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ import pytest
 from pd_router.sim.fleet import EngineProcess, ServerProcess
 from tests.dns_server import DnsServer
 from tests.helpers import RouterProcess, wait_for
+from tests.redis_server import RedisServer
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -124,12 +126,14 @@ def engines() -> Iterator[tuple[EngineProcess, list[EngineProcess]]]:
             engine.stop()
 
 
-def router_for(dns: DnsServer, prefill: EngineProcess, *args: str) -> DiscoveringRouter:
+def router_for(
+    dns: DnsServer, prefill: EngineProcess, *args: str, decode: str = f"{SRV},slots=8,pool=test"
+) -> DiscoveringRouter:
     return DiscoveringRouter(
         "--prefill-dns",
         f"prefill.test:{prefill.port}",
         "--decode-dns",
-        f"{SRV},slots=8,pool=test",
+        decode,
         "--dns-server",
         dns.address,
         "--discovery-interval",
@@ -301,3 +305,53 @@ def test_a_gone_engine_still_streaming_after_the_drain_bound_ends_with_the_usual
         assert 1 <= ended < 1 + 3 * INTERVAL + 1, ended
         assert set(router.decode()) == {other.url}
         assert "removed 1 s after it left DNS, failing its 1 requests" in router.log()
+
+
+def test_routers_sharing_a_pool_discover_the_same_engines_by_address(
+    dns: DnsServer, engines: tuple[EngineProcess, list[EngineProcess]], redis_server: RedisServer
+) -> None:
+    """Two routers on one Redis (--state), each discovering on its own: an engine one of
+    them found is the same node to the shared pool as the other's (keyed by address), so
+    a burst through both never puts more on an engine than its slots, before and after a
+    scale-up."""
+    prefill, decode = engines
+    dns.set(records(prefill, decode[:1]))
+    with ExitStack() as stack:
+        routers = [
+            stack.enter_context(
+                router_for(
+                    dns, prefill, "--state", redis_server.url, "--decode-slots", "2", decode=SRV
+                )
+            )
+            for _ in range(2)
+        ]
+        for router in routers:
+            assert set(router.decode()) == {decode[0].url}
+
+        def burst(count: int) -> list[int]:
+            statuses: list[int] = []
+
+            def client(index: int) -> None:
+                body = {**BODY, "stream": False, "max_tokens": 8}
+                url = routers[index % 2].url
+                statuses.append(
+                    httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+                )
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            return statuses
+
+        assert burst(8) == [200] * 8
+        assert decode[0].stats()["peak_active"] <= 2
+        dns.set(records(prefill, decode[:2]))
+        for router in routers:
+            wait_for(lambda: len(router.decode()) == 2, what="both routers see the new engine")
+        assert burst(12) == [200] * 12
+        peaks = [engine.stats()["peak_active"] for engine in decode[:2]]
+        assert max(peaks) <= 2 and decode[1].stats()["requests"] > 0, peaks
+        for router in routers:
+            router.assert_idle()
