@@ -47,6 +47,7 @@ def node_view(node: Node) -> dict[str, Any]:
         "consecutive_failures": node.failures,
         "last_error": node.last_error,
         "labels": node.labels,
+        "source": node.source,
     }
 
 
@@ -121,8 +122,7 @@ def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None)
             labels = check_labels(spec.get("labels", {}))
         except ValueError as exc:
             return _error(400, f"labels: {exc}", "bad_node", "labels")
-        node = fleet.add(url, spec["role"], slots)
-        node.labels = labels
+        node = fleet.add(url, spec["role"], slots, labels=labels)
         return _json(node_view(node), 201)
 
     async def drain_node(request: Request) -> Response:

@@ -20,11 +20,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .admin import abort_here, admin_routes
+from .discovery import Discovery
+from .discovery_loop import discover_forever
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
-from .health import probe_forever, supervise, watch_stalls
+from .health import probe, probe_forever, supervise, watch_stalls
 from .lag import LoopLag
+from .nodes import Node
 from .relay import Relay, Router
 from .remote_abort import RemoteAborts
+from .resolver import Resolver
 from .response import ClientStream
 from .shared_pool import SharedPool
 from .validation import PATHS, Endpoint, parse_body, request_id
@@ -176,6 +180,12 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
+                if router.discovery is not None and router.discovery.groups:
+                    tg.start_soon(
+                        supervise,
+                        "DNS discovery",
+                        partial(_discover, router, router.discovery, options, lag),
+                    )
                 for name, work in fleet.pool.background():
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
@@ -220,6 +230,19 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     # says; a 404 that names the right path serves the client better.
     rest.router.redirect_slashes = False
     return RouterApp(openai, rest)
+
+
+async def _discover(
+    router: Router, discovery: Discovery, options: AppOptions, lag: LoopLag
+) -> None:
+    # Lookups give up well before the next round is due, and never wait under a second.
+    resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))
+    fleet = router.fleet
+
+    async def admit(node: Node) -> None:
+        await probe(fleet, router.upstream, node, options.health_timeout, lag)
+
+    await discover_forever(discovery, fleet, resolver.lookup, admit)
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

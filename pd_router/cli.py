@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import errno
 import gc
+import ipaddress
 import logging
 import os
 import socket
@@ -36,11 +37,13 @@ from .client_protocol import (
     default_max_connections,
     protocol,
 )
+from .discovery import Discovery, Group
 from .fleet import Fleet
 from .nodes import HealthPolicy, Node, make_nodes
 from .pool import DecodePool
 from .redis_client import Redis, parse_url
 from .relay import Router, Settings
+from .resolver import Resolver
 from .shared_pool import SharedPool
 from .upstream import MAX_RESPONSE_BYTES, Upstream
 
@@ -89,6 +92,28 @@ def _workers(text: str) -> int:
             f"must be a whole number >= 1 and <= {workers.MAX_WORKERS}, got {text!r}"
         )
     return value
+
+
+def _dns_server(text: str) -> tuple[str, int]:
+    """``IP[:PORT]`` (``[IPv6]:PORT``), port 53 by default: the resolver asks an address."""
+    host, port = text.strip(), "53"
+    if host.startswith("["):
+        host, _, rest = host[1:].partition("]")
+        if rest:
+            port = rest.removeprefix(":")
+    elif host.count(":") == 1:
+        host, port = host.split(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected an IP address and port of a DNS server (10.96.0.10:53, [::1]:53), "
+            f"got {text!r}"
+        )
+    return host, number
 
 
 def _port(text: str) -> int:
@@ -154,6 +179,13 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "queue with every router on that Redis; unset, this process keeps its own"),
     ("--workers", _workers, 1, "N",
      "router processes serving the port, each a whole router; more than 1 needs --state"),
+    ("--discovery-interval", _timeout, 5.0, "SECONDS",
+     "resolve every --prefill-dns and --decode-dns name this often"),
+    ("--discovery-drain-timeout", _seconds, 300.0, "SECONDS",
+     "a node whose address left DNS is removed once it holds no request, or after this "
+     "long, failing what it still holds"),
+    ("--dns-server", _dns_server, None, "HOST:PORT",
+     "the DNS server to ask for discovery; unset, the system's resolver configuration"),
     ("--admin-token", str, None, "TOKEN",
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
@@ -192,6 +224,26 @@ def add_router_flags(
         required=engines,
         metavar="URL[,slots=N]",
         help=engine_help("decode engine base URL, optionally with its own slot count"),
+    )
+    add(
+        "--prefill-dns",
+        action="extend",
+        nargs="+",
+        metavar="NAME:PORT",
+        help=engine_help(
+            "discover prefill engines as the addresses NAME resolves to (A, AAAA; SRV records "
+            "when NAME starts with _, without :PORT), beside or instead of --prefill"
+        ),
+    )
+    add(
+        "--decode-dns",
+        action="extend",
+        nargs="+",
+        metavar="NAME:PORT[,slots=N][,KEY=VALUE]",
+        help=engine_help(
+            "discover decode engines by DNS as --prefill-dns does; slots=N for their slots, "
+            "other KEY=VALUE options are labels"
+        ),
     )
     for flag, kind, default, metavar, text in OPTIONS:
         add(flag, type=kind, default=default, metavar=metavar, help=text)
@@ -257,8 +309,20 @@ def _shown(default: Any) -> str:
 
 
 def build_router(args: argparse.Namespace) -> Router:
-    prefill = make_nodes(args.prefill, 1, role="prefill")
-    decode = make_nodes(args.decode, args.decode_slots, first_id=len(prefill))
+    prefill = make_nodes(args.prefill or [], 1, role="prefill")
+    decode = make_nodes(args.decode or [], args.decode_slots, first_id=len(prefill))
+    names = [*(args.prefill_dns or []), *(args.decode_dns or [])]
+    discovery = None
+    if names:
+        if args.dns_server is None:
+            Resolver()  # the system's configuration must be there: refused now, not later
+        discovery = Discovery(
+            [Group(spec) for spec in names],
+            decode_slots=args.decode_slots,
+            interval=args.discovery_interval,
+            drain_timeout=args.discovery_drain_timeout,
+            server=args.dns_server,
+        )
     policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
     pool: Callable[[list[Node]], DecodePool] = DecodePool
     if args.state is not None:
@@ -273,6 +337,7 @@ def build_router(args: argparse.Namespace) -> Router:
             max_response_bytes=args.max_response_bytes,
         ),
         settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
+        discovery=discovery,
     )
 
 

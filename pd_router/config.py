@@ -23,12 +23,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .nodes import NodeSpec, check_labels, normalise_url, parse_spec
+from .discovery import DnsSpec, dns_spec, parse_dns_spec
+from .nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
 
 ENV_PREFIX = "PD_ROUTER_"
 CONFIG_KEY = "config"
 NODE_KEYS = ("prefill", "decode")
 NODE_TABLE_KEYS = ("url", "slots", "labels")
+# Names to discover nodes by (``discovery.py``): each role's alternative to a node list.
+DNS_KEYS = ("prefill_dns", "decode_dns")
+DNS_TABLE_KEYS = ("name", "port", "slots", "labels")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -58,6 +62,15 @@ class Option:
     @property
     def nodes(self) -> bool:
         return self.key in NODE_KEYS
+
+    @property
+    def dns(self) -> Role | None:
+        """The role of a list of DNS names, else None."""
+        return (
+            "prefill"
+            if self.key == "prefill_dns"
+            else "decode" if self.key == "decode_dns" else None
+        )
 
 
 def options_of(actions: Iterable[argparse.Action]) -> dict[str, Option]:
@@ -91,11 +104,23 @@ def resolve(
     path = given.get(CONFIG_KEY, env.get(CONFIG_KEY))
     file = from_file(read_file(path), options, source=path) if path else {}
     values = merge(options, given, env, file)
-    absent = [option for option in options.values() if option.required and not values[option.key]]
+    # A required node list may be replaced by names to discover the role's nodes by.
+    absent = [
+        option
+        for option in options.values()
+        if option.required and not values[option.key] and not values.get(f"{option.key}_dns")
+    ]
     if absent:
-        needed = ", ".join(_spellings(option) for option in absent)
+        needed = ", ".join(_required(option, options) for option in absent)
         raise ConfigError(f"the following settings are required: {needed}")
     return values
+
+
+def _required(option: Option, options: Mapping[str, Option]) -> str:
+    alternative = options.get(f"{option.key}_dns")
+    if alternative is None:
+        return _spellings(option)
+    return f"{_spellings(option)} or {_spellings(alternative)}"
 
 
 def merge(options: Mapping[str, Option], *layers: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,6 +139,10 @@ def from_cli(given: Mapping[str, Any], options: Mapping[str, Option]) -> dict[st
         if key in values and key in options:
             flag = options[key].flag
             values[key] = [_node_string(spec, flag) for spec in values[key]]
+    for key in DNS_KEYS:
+        role = options[key].dns if key in options else None
+        if key in values and role is not None:
+            values[key] = [_dns_string(spec, role, options[key].flag) for spec in values[key]]
     return values
 
 
@@ -134,8 +163,11 @@ def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[
         text = text.strip()
         if not text:
             continue
+        role = option.dns
         if option.nodes:
             values[option.key] = [_env_node(item, name) for item in text.split()]
+        elif role is not None:
+            values[option.key] = [_dns_string(item, role, name) for item in text.split()]
         elif option.switch:
             values[option.key] = _switch(text, name)
         else:
@@ -175,8 +207,11 @@ def from_file(
         if option is None:
             raise ConfigError(f"{source}: unknown key {key!r}{_hint(key.replace('-', '_'), keys)}")
         where = f"{source}: {key}"
+        role = option.dns
         if option.nodes:
             values[key] = _file_nodes(value, where)
+        elif role is not None:
+            values[key] = _file_names(value, role, where)
         elif option.switch:
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}: expected true or false, got {value!r}")
@@ -277,6 +312,46 @@ def _file_node(item: object, where: str) -> NodeSpec:
     except ValueError as exc:
         raise ConfigError(f"{where}.labels: {exc}") from None
     return NodeSpec(url, slots, labels)
+
+
+# Names to discover nodes by
+
+
+def _dns_string(spec: str, role: Role, where: str) -> DnsSpec:
+    try:
+        return parse_dns_spec(spec, role)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _file_names(value: object, role: Role, where: str) -> list[DnsSpec]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(
+            f"{where}: expected a non-empty array of NAME:PORT strings or of tables "
+            f"({{ name = ..., port = N, slots = N, labels = {{ ... }} }}), got {value!r}"
+        )
+    return [_file_name(item, role, f"{where}[{index}]") for index, item in enumerate(value)]
+
+
+def _file_name(item: object, role: Role, where: str) -> DnsSpec:
+    if isinstance(item, str):
+        return _dns_string(item, role, where)
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected NAME:PORT or a table, got {item!r}")
+    for key in item:
+        if key not in DNS_TABLE_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(DNS_TABLE_KEYS)})")
+    name, port, slots = item.get("name"), item.get("port"), item.get("slots")
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name: expected a DNS name, got {name!r}")
+    for key, number in (("port", port), ("slots", slots)):
+        if number is not None and (not isinstance(number, int) or isinstance(number, bool)):
+            raise ConfigError(f"{where}.{key}: expected a whole number, got {number!r}")
+    try:
+        labels = check_labels(item.get("labels", {}))
+        return dns_spec(role, name, port, slots, labels)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 # Messages

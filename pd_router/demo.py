@@ -56,10 +56,11 @@ def parse(
 ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser, actions = demo_parser()
     args = parse_router_args(parser, actions, argv, environ)
-    if args.prefill or args.decode:
+    if args.prefill or args.decode or args.prefill_dns or args.decode_dns:
         parser.error(
             "the demo starts its own engines: --prefill and --decode (PD_ROUTER_PREFILL, "
-            "PD_ROUTER_DECODE, prefill and decode in the config file) do not apply"
+            "PD_ROUTER_DECODE, prefill and decode in the config file) do not apply, nor do "
+            "--prefill-dns and --decode-dns"
         )
     return parser, args
 

@@ -27,6 +27,13 @@ from .pool import DecodePool
 
 log = logging.getLogger("pd_router.fleet")
 
+# A joining node's reason for not serving.
+JOINING = "not yet probed"
+
+
+def _named(node: Node) -> tuple[str, int, str]:
+    return node.role, node.id, node.url
+
 
 class Handle(Protocol):
     """What the fleet needs of an in-flight request."""
@@ -170,8 +177,12 @@ class Fleet:
 
     def probed(self, node: Node) -> None:
         """A good health probe."""
+        joining = node.state is State.JOINING
         if node.probed(self.policy, self.clock()):
-            log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
+            if joining:
+                log.info("%s node %s (%s) answered its first probe: serving", *_named(node))
+            else:
+                log.warning("%s node %s (%s) is back: readmitted", *_named(node))
             self._changed()
 
     def stalled(self, node: Node, silent: list[Binding], seconds: float, hold: float) -> None:
@@ -226,18 +237,44 @@ class Fleet:
 
     # Administration
 
-    def add(self, url: str, role: Role, slots: int) -> Node:
-        node = Node(id=self._next_id, url=url, slots=slots, role=role)
+    def add(
+        self,
+        url: str,
+        role: Role,
+        slots: int,
+        *,
+        labels: dict[str, str] | None = None,
+        source: str = "admin",
+        joining: bool = False,
+    ) -> Node:
+        """A new node under a new id; ``joining``: it takes no request before its first
+        good probe (``Node.probed``)."""
+        node = Node(
+            id=self._next_id, url=url, slots=slots, role=role, labels=labels or {}, source=source
+        )
+        if joining:
+            node.state, node.reason = State.JOINING, JOINING
         self._next_id += 1
         (self.pool.nodes if role == "decode" else self.prefill.nodes).append(node)
         self._changed()
         return node
 
-    def drain(self, node: Node) -> None:
-        if node.state in (State.SERVING, State.UNHEALTHY):
+    def drain(self, node: Node, reason: str = "drained") -> None:
+        if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):
             node.state = State.DRAINING
-            node.reason = "drained"
+            node.reason = reason
             self._changed()
+
+    def rejoin(self, node: Node, drained_for: str) -> bool:
+        """Undo a drain made for ``drained_for`` (an address back in DNS before its node was
+        removed): the node joins again, under its id, and serves after a good probe. A node
+        drained for another reason (an operator's) stays drained."""
+        if node.state is not State.DRAINING or node.reason != drained_for:
+            return False
+        node.state, node.reason = State.JOINING, JOINING
+        node.successes = 0
+        self._changed()
+        return True
 
     def remove(self, node: Node, *, force: bool = False) -> None:
         """Forget a drained (or dead) node; ``force`` fails its bound requests first."""

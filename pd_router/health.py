@@ -34,13 +34,11 @@ async def probe_forever(
     while True:
         async with anyio.create_task_group() as tg:
             for node in fleet.nodes:
-                tg.start_soon(_probe, fleet, upstream, node, timeout, lag)
+                tg.start_soon(probe, fleet, upstream, node, timeout, lag)
         await anyio.sleep(interval)
 
 
-async def _probe(
-    fleet: Fleet, upstream: Upstream, node: Node, timeout: float, lag: LoopLag
-) -> None:
+async def probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float, lag: LoopLag) -> None:
     started = anyio.current_time()
     try:
         failure = await upstream.probe(node.url + "/health", timeout)

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .discovery import Discovery
 from .fleet import Fleet
 from .nodes import Node, State
 from .validation import PATHS
@@ -87,7 +88,7 @@ def _bound(seconds: float) -> str:
 
 
 class Telemetry:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, discovery: Discovery | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
         self.upstream_errors: dict[tuple[Node, str], int] = {}
@@ -105,6 +106,8 @@ class Telemetry:
             "pd_router_request_duration_seconds", "Time from arrival to the request's end."
         )
         self.registry.register(_StateCollector(fleet, self))
+        if discovery is not None:
+            self.registry.register(_DiscoveryCollector(discovery))
 
     @property
     def histograms(self) -> tuple[Histogram, ...]:
@@ -180,11 +183,17 @@ class _StateCollector(Collector):
         failures = GaugeMetricFamily(
             "pd_router_node_consecutive_failures", "Failures in a row per node.", labels=labels
         )
+        source = GaugeMetricFamily(
+            "pd_router_node_source",
+            "1 for where each node came from: static, admin, or the DNS name that lists it.",
+            labels=[*labels, "source"],
+        )
         for node in fleet.nodes:
             values = [str(node.id), node.url, node.role]
             slots.add_metric(values, node.slots)
             in_use.add_metric(values, node.in_use)
             failures.add_metric(values, node.failures)
+            source.add_metric([*values, node.source], 1.0)
             for each in State:
                 state.add_metric([*values, each.value], float(node.state is each))
             if node.reason is not None:
@@ -194,5 +203,41 @@ class _StateCollector(Collector):
         yield state
         yield reason
         yield failures
+        yield source
         for histogram in self._telemetry.histograms:
             yield histogram.family()
+
+
+class _DiscoveryCollector(Collector):
+    """What the DNS lookups of each name did (``discovery.py``)."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "name"]
+        lookups = CounterMetricFamily(
+            "pd_router_discovery_lookups",
+            "DNS lookups per name, by outcome: ok, empty (no address: fleet kept), failed.",
+            labels=[*labels, "outcome"],
+        )
+        changes = CounterMetricFamily(
+            "pd_router_discovery_changes",
+            "Fleet changes made by DNS discovery per name: added, drained, rejoined, removed.",
+            labels=[*labels, "change"],
+        )
+        listed = GaugeMetricFamily(
+            "pd_router_discovery_addresses",
+            "Addresses in the last answer that listed any, per name.",
+            labels=labels,
+        )
+        for group in self._discovery.groups:
+            names = [group.spec.role, group.spec.source.removeprefix("dns:")]
+            for outcome, count in group.lookups.items():
+                lookups.add_metric([*names, outcome], count)
+            for change, count in group.changes.items():
+                changes.add_metric([*names, change], count)
+            listed.add_metric(names, group.listed)
+        yield lookups
+        yield changes
+        yield listed

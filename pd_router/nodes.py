@@ -3,6 +3,8 @@
 No I/O here: the prober, the relay and the stall watch report what they saw, and a node's
 state follows from it by the rules below. Slow is not dead: two verdicts, two consequences.
 
+* ``joining``: found through DNS (``discovery.py``) and not yet answered a probe: picked
+  by nothing until its first good probe makes it serving; failures leave it joining.
 * ``serving``: picked for new requests. ``unhealthy``: no new requests (unless no node at
   all is serving, see ``pool.py``), and what runs on it continues. ``draining``: keeps its
   in-flight requests, gets no new ones. ``dead``: picked by nothing; its requests have been
@@ -34,6 +36,7 @@ Role = Literal["prefill", "decode"]
 
 
 class State(str, Enum):
+    JOINING = "joining"
     SERVING = "serving"
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"
@@ -89,6 +92,9 @@ class Node:
     bound: set[str] = field(default_factory=set)
     # The operator's own tags (zone, GPU type...): shown, never used to route.
     labels: dict[str, str] = field(default_factory=dict)
+    # Where the node came from: "static" (the settings), "admin" (POST /admin/nodes) or the
+    # DNS name that lists it ("dns:vllm-decode:8200").
+    source: str = "static"
 
     @property
     def free(self) -> int:
@@ -105,7 +111,7 @@ class Node:
         self.last_error = failure.message
         if failure.evidence is not Evidence.SOFT:
             self.hard_failures += 1
-        if self.state is State.DEAD:
+        if self.state in (State.DEAD, State.JOINING):
             return None
         if failure.evidence is Evidence.FATAL or self.hard_failures >= policy.unhealthy_after:
             return self._become(State.DEAD, failure.kind)
@@ -128,9 +134,14 @@ class Node:
         self.failures = self.hard_failures = 0
 
     def probed(self, policy: HealthPolicy, now: float) -> bool:
-        """A good probe; True when this readmitted an unhealthy or dead node."""
+        """A good probe; True when this admitted a joining node or readmitted an unhealthy
+        or dead one."""
         self.served()
         self.successes += 1
+        if self.state is State.JOINING:
+            # Never seen serving: nothing to be wary of, one good answer is enough.
+            self._become(State.SERVING, None)
+            return True
         if self.state not in (State.UNHEALTHY, State.DEAD):
             return False
         if self.successes < policy.healthy_after or now < self.hold_until:
@@ -184,13 +195,19 @@ def parse_spec(spec: str) -> NodeSpec:
         key, _, value = option.partition("=")
         if key.strip() != "slots":
             raise ValueError(f"{spec!r}: unknown node option {key!r} (known: slots)")
-        try:
-            slots = int(value)
-        except ValueError:
-            raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
-        if slots < 1:
-            raise ValueError(f"{spec!r}: slots must be at least 1")
+        slots = parse_slots(value, spec)
     return NodeSpec(normalise_url(url, spec), slots)
+
+
+def parse_slots(value: str, spec: str) -> int:
+    """The ``N`` of a ``slots=N`` option of ``spec``."""
+    try:
+        slots = int(value)
+    except ValueError:
+        raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
+    if slots < 1:
+        raise ValueError(f"{spec!r}: slots must be at least 1")
+    return slots
 
 
 _USERINFO = re.compile(r"//[^/@]*@")

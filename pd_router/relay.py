@@ -39,6 +39,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from . import handshake, logs
+from .discovery import Discovery
 from .errors import (
     InternalError,
     RouterError,
@@ -80,6 +81,8 @@ class Router:
     telemetry: Telemetry = field(init=False)
     # Set by the app's lifespan (an event needs a running loop); SIGTERM sets it.
     stopping: anyio.Event | None = None
+    # The names nodes are discovered by (--prefill-dns, --decode-dns), if any.
+    discovery: Discovery | None = None
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -91,7 +94,7 @@ class Router:
             self.stopping.set()
 
     def __post_init__(self) -> None:
-        self.telemetry = Telemetry(self.fleet)
+        self.telemetry = Telemetry(self.fleet, self.discovery)
 
 
 class Relay:

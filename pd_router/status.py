@@ -45,6 +45,8 @@ class NodeRow:
     last_error: str | None = None
     # Why it is not serving ("probe timeout", "stalled", "refused"...), when it is not.
     reason: str | None = None
+    # static, admin, or the DNS name that lists it (dns:vllm-decode:8200).
+    source: str = "static"
 
 
 @dataclass
@@ -82,6 +84,8 @@ def from_metrics(text: str) -> Snapshot:
                     row.state = labels["state"]
                 elif name == "pd_router_node_reason" and value == 1:
                     row.reason = labels["reason"]
+                elif name == "pd_router_node_source" and value == 1:
+                    row.source = labels["source"]
     if not seen_router:
         raise StatusError("its /metrics has no pd_router_queue_depth: is this a pd-router?")
     snapshot.nodes = sorted(rows.values(), key=lambda row: row.id)
@@ -104,6 +108,7 @@ def from_admin(document: Any) -> Snapshot:
                 requests=len(node["bound_requests"]),
                 last_error=node.get("last_error"),
                 reason=node.get("reason"),
+                source=str(node.get("source", "static")),
             )
             for node in document["nodes"]
         ]
@@ -133,8 +138,10 @@ def format_table(snapshot: Snapshot, router: str) -> str:
         return summary + "\n(no nodes)\n"
     with_requests = any(node.requests is not None for node in nodes)
     with_labels = any(node.labels for node in nodes)
+    with_sources = any(node.source != "static" for node in nodes)
     header = ["ID", "ROLE", "STATE", "SLOTS", "FAILURES"]
-    header += ["REQUESTS"] * with_requests + ["URL"] + ["LABELS"] * with_labels
+    header += ["REQUESTS"] * with_requests + ["URL"] + ["SOURCE"] * with_sources
+    header += ["LABELS"] * with_labels
     table = [header]
     for node in nodes:
         # Prefill nodes' too: /metrics and /admin/nodes give them, and a "-" read as a
@@ -144,6 +151,8 @@ def format_table(snapshot: Snapshot, router: str) -> str:
         if with_requests:
             row.append("-" if node.requests is None else str(node.requests))
         row.append(node.url)
+        if with_sources:
+            row.append(node.source)
         if with_labels:
             row.append(",".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items())))
         table.append(row)

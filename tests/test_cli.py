@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.cli import parse_router_args, router_parser
+from pd_router.cli import _dns_server, parse_router_args, router_parser
 from pd_router.demo import demo_parser, parse
 from pd_router.status import format_table, from_admin, from_metrics
 
@@ -128,6 +128,17 @@ def marked(mark: str) -> list[int]:
             {},
             "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
         ),
+        (
+            ["demo", "--decode-dns", "decode.ns:8200"],
+            {},
+            "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
+        ),
+        (
+            ["--prefill", "http://127.0.0.1:9", "--decode-dns", "decode.ns:8200,slot=2"],
+            {},
+            "pd-router: error: --decode-dns: 'decode.ns:8200,slot=2': unknown option 'slot' "
+            "(did you mean slots?)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(
@@ -145,7 +156,8 @@ def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None
 
 def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
     for action in actions:
-        if action.type is not None and action.type is not str:
+        # --dns-server's address is not a number: its own refusal is tested in test_config.
+        if action.type is not None and action.type not in (str, _dns_server):
             yield action.option_strings[0]
 
 
@@ -339,12 +351,13 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
     unset = {"-h, --help", "--admin-token TOKEN", "--config FILE", "--state URL"}
+    unset |= {"--dns-server HOST:PORT"}
     missing = [
         invocation
         for invocation, text in entries.items()
         if "(default: " not in text
         and invocation not in unset
-        and not invocation.startswith(("--prefill", "--decode "))
+        and not invocation.startswith(("--prefill", "--decode ", "--decode-dns "))
     ]
     assert missing == []
 

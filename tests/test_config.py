@@ -279,3 +279,111 @@ def test_kubernetes_service_links_are_not_settings() -> None:
         parser, actions, ["--prefill", "http://p:1", "--decode", "http://d:2"], environ
     )
     assert args.port == 8000 and args.queue_timeout == 7.0
+
+
+# Names to discover nodes by (--prefill-dns, --decode-dns)
+
+DNS = ["--prefill-dns", "prefill.ns:8100", "--decode-dns", "_http._tcp.decode.ns,slots=8,zone=a"]
+
+
+def test_dns_names_alone_are_enough_and_make_a_discovery() -> None:
+    args = parse([*DNS, "--dns-server", "10.96.0.10:5353", "--discovery-interval", "2"])
+    assert args.prefill is None and args.decode is None
+    assert [(s.role, s.name, s.port) for s in args.prefill_dns] == [("prefill", "prefill.ns", 8100)]
+    (decode,) = args.decode_dns
+    assert (decode.role, decode.port, decode.slots, dict(decode.labels)) == (
+        "decode",
+        None,
+        8,
+        {"zone": "a"},
+    )
+    router = build_router(args)
+    assert router.fleet.nodes == []
+    assert router.discovery is not None
+    assert [g.spec for g in router.discovery.groups] == [*args.prefill_dns, decode]
+    assert (router.discovery.interval, router.discovery.server) == (2.0, ("10.96.0.10", 5353))
+
+
+def test_dns_names_beside_static_nodes_and_from_every_source(tmp_path: Path) -> None:
+    args = parse(
+        NODES,
+        {"PD_ROUTER_DECODE_DNS": "d1.ns:8200,slots=2 d2.ns:8200"},
+        'prefill_dns = ["p1.ns:8100"]\n'
+        '[[decode_dns]]\nname = "d3.ns"\nport = 8200\nslots = 4\nlabels = { zone = "b" }\n',
+        tmp_path,
+    )
+    assert [spec.url for spec in args.decode] == ["http://d0:8200"]
+    assert [(s.name, s.slots) for s in args.decode_dns] == [("d1.ns", 2), ("d2.ns", None)]
+    assert [s.name for s in args.prefill_dns] == ["p1.ns"]
+    from_file = parse(
+        NODES,
+        {},
+        '[[decode_dns]]\nname = "d3.ns"\nport = 8200\nlabels = { zone = "b" }\n',
+        tmp_path,
+    )
+    (spec,) = from_file.decode_dns
+    assert (spec.name, spec.port, dict(spec.labels)) == ("d3.ns", 8200, {"zone": "b"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "expected"),
+    [
+        (["--decode-dns", "d.ns"], {}, None, "--decode-dns: 'd.ns': the port is missing"),
+        (
+            [],
+            {"PD_ROUTER_PREFILL_DNS": "p.ns:0"},
+            None,
+            "PD_ROUTER_PREFILL_DNS: 'p.ns:0': the port must be",
+        ),
+        (
+            [],
+            {},
+            'decode_dns = [{ name = "d.ns" }]\n',
+            "decode_dns[0]: 'd.ns': the port is missing",
+        ),
+        (
+            [],
+            {},
+            'decode_dns = [{ name = "d.ns", port = 1, slot = 2 }]\n',
+            "decode_dns[0]: unknown key 'slot'",
+        ),
+        ([], {}, 'decode_dns = "d.ns:1"\n', "decode_dns: expected a non-empty array"),
+        (
+            ["--dns-server", "dns.local:53"],
+            {},
+            None,
+            "argument --dns-server: expected an IP address",
+        ),
+    ],
+)
+def test_bad_dns_settings_are_refused_naming_the_setting(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    argv: list[str],
+    env: dict[str, str],
+    toml: str | None,
+    expected: str,
+) -> None:
+    message = refusal(capsys, [*NODES, *argv], env, toml, tmp_path if toml else None)
+    assert expected in message, message
+
+
+def test_without_nodes_or_names_both_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    message = refusal(capsys, ["--prefill-dns", "p.ns:8100"])
+    assert (
+        "--decode (or PD_ROUTER_DECODE, or decode in the config file) or --decode-dns "
+        "(or PD_ROUTER_DECODE_DNS, or decode_dns in the config file)" in message
+    )
+    assert "--prefill" not in message.split("required:")[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "server"),
+    [
+        ("127.0.0.1:5353", ("127.0.0.1", 5353)),
+        ("10.0.0.10", ("10.0.0.10", 53)),
+        ("[::1]:53", ("::1", 53)),
+    ],
+)
+def test_dns_server_spellings(text: str, server: tuple[str, int]) -> None:
+    assert parse([*NODES, "--dns-server", text]).dns_server == server

@@ -181,28 +181,36 @@ def test_router_deployment() -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_router_urls_address_every_engine_pod(role: str) -> None:
-    """Each router URL is a StatefulSet pod's stable DNS name on its engine port, every
-    replica is listed, and the engine there plays the matching NixlConnector role."""
+def test_router_discovers_every_engine_through_its_headless_service(role: str) -> None:
+    """The router lists no engine: it follows each role's headless Service by DNS, on the
+    port the engine serves, and the pods behind it play the matching NixlConnector role.
+    Only ready pods are published, so a terminating pod leaves the answers at once."""
     _, args = _router_args()
-    urls = [spec.url for spec in getattr(args, role)]
-    pods = set()
-    for url in urls:
-        match = re.fullmatch(r"http://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+):(\d+)", url.split(",")[0])
-        assert match, f"{url} is not http://<statefulset>-<n>.<service>:<port>"
-        sts_name, ordinal, service_name, port = match.groups()
-        pods.add((sts_name, int(ordinal), service_name, int(port)))
-    for sts_name, service_name, port in {(s, svc, p) for s, _, svc, p in pods}:
-        sts = _find("StatefulSet", sts_name)
-        assert sts["spec"]["serviceName"] == service_name
-        listed = {n for s, n, _, _ in pods if s == sts_name}
-        assert listed == set(range(sts["spec"]["replicas"])), f"{sts_name}: pods vs replicas"
-        service = _find("Service", service_name)
-        assert service["spec"]["clusterIP"] == "None", "per-pod DNS needs a headless Service"
+    assert not getattr(args, role), f"--{role} lists engines: scaling would mean editing it"
+    specs = getattr(args, f"{role}_dns")
+    assert specs, f"no --{role}-dns"
+    for spec in specs:
+        assert spec.role == role and spec.port is not None and not spec.srv
+        service = _find("Service", spec.name)
+        assert service["spec"]["clusterIP"] == "None", "only a headless Service lists pod IPs"
+        assert not service["spec"].get("publishNotReadyAddresses", False)
+        assert spec.port in {p["port"] for p in service["spec"]["ports"]}
+        (sts,) = (
+            doc
+            for _, doc in _k8s_docs()
+            if doc["kind"] == "StatefulSet" and doc["spec"]["serviceName"] == spec.name
+        )
         assert service["spec"]["selector"].items() <= (
             sts["spec"]["template"]["metadata"]["labels"].items()
         )
-        _check_vllm_engine(_container(sts), role, port)
+        _check_vllm_engine(_container(sts), role, spec.port)
+
+
+def test_no_example_tells_the_operator_to_edit_lists_or_call_every_router() -> None:
+    for path in [*KUBERNETES.glob("*.yaml"), EXAMPLES / "README.md"]:
+        text = " ".join(path.read_text(encoding="utf-8").split()).lower()
+        for stale in ("keep in step with the router", "on every router pod", "update these lists"):
+            assert stale not in text, f"{_rel(path)}: {stale!r}"
 
 
 def _check_vllm_engine(container: dict[str, Any], role: str, port: int) -> None:
@@ -299,7 +307,11 @@ _SUFFIXES = {
 
 
 def _router_registry() -> Any:
-    args = _parse_router_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
+    args = _parse_router_args(
+        ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+        # With a name to discover by, so that the discovery families are exported too.
+        + ["--decode-dns", "decode.example:2", "--dns-server", "127.0.0.1:53"]
+    )
     # The registry that /metrics serves.
     return build_router(args).telemetry.registry
 

@@ -240,6 +240,40 @@ pd_router_node_consecutive_failures{{{labels}}} 1.0
     assert snapshot.nodes == [NodeRow(1, "decode", "http://d0:8200", "draining", 8, 5, 1)]
 
 
+def test_the_source_of_discovered_nodes_from_either_source_and_in_the_table() -> None:
+    labels = 'node="4",url="http://10.0.0.7:8200",role="decode"'
+    text = f"""
+# TYPE pd_router_queue_depth gauge
+pd_router_queue_depth 0.0
+# TYPE pd_router_node_state gauge
+pd_router_node_state{{{labels},state="joining"}} 1.0
+# TYPE pd_router_node_source gauge
+pd_router_node_source{{{labels},source="dns:vllm-decode:8200"}} 1.0
+"""
+    (row,) = from_metrics(text).nodes
+    assert (row.state, row.source) == ("joining", "dns:vllm-decode:8200")
+    node = {
+        "id": 4,
+        "role": "decode",
+        "url": "http://10.0.0.7:8200",
+        "state": "joining",
+        "slots": 8,
+        "in_use": 0,
+        "consecutive_failures": 0,
+        "bound_requests": [],
+        "source": "dns:vllm-decode:8200",
+    }
+    document = {"nodes": [node], "queue_depth": 0, "in_flight": 0}
+    (admin,) = from_admin(document).nodes
+    assert (admin.state, admin.source) == ("joining", "dns:vllm-decode:8200")
+    static = NodeRow(0, "decode", "http://d0:8200", "serving", 2, 0, 0)
+    assert format_table(Snapshot(nodes=[static, row]), "http://r").splitlines()[2:] == [
+        "ID  ROLE    STATE    SLOTS  FAILURES  URL                   SOURCE",
+        "0   decode  serving  0/2    0         http://d0:8200        static",
+        "4   decode  joining  0/0    0         http://10.0.0.7:8200  dns:vllm-decode:8200",
+    ]
+
+
 def test_from_metrics_of_something_else_is_an_error() -> None:
     with pytest.raises(Exception, match="is this a pd-router"):
         from_metrics("# TYPE up gauge\nup 1.0\n")
