@@ -41,6 +41,7 @@ from .discovery import Discovery, Group
 from .fleet import Fleet
 from .nodes import HealthPolicy, Node, make_nodes
 from .pool import DecodePool
+from .prefill_policy import DEFAULT_POLICY, POLICIES
 from .redis_client import Redis, parse_url
 from .relay import Router, Settings
 from .resolver import Resolver
@@ -248,6 +249,14 @@ def add_router_flags(
     for flag, kind, default, metavar, text in OPTIONS:
         add(flag, type=kind, default=default, metavar=metavar, help=text)
     add(
+        "--prefill-policy",
+        default=DEFAULT_POLICY,
+        choices=list(POLICIES),
+        help="how a prefill node is picked: prefix sends a conversation's turns to the node "
+        "that holds its prefix (the same from every router), unless that node is clearly "
+        "busier than the rest; least_loaded, the fewest prefills in flight; round_robin, in turn",
+    )
+    add(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -330,7 +339,7 @@ def build_router(args: argparse.Namespace) -> Router:
         redis = Redis(parse_url(args.state), timeout=1.0)
         pool = partial(SharedPool, redis=redis)
     return Router(
-        fleet=Fleet(prefill, decode, policy, pool=pool),
+        fleet=Fleet(prefill, decode, policy, pool=pool, prefill_policy=args.prefill_policy),
         upstream=Upstream(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,

@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from .errors import NodeDead, RouterError, Stalled, Unavailable
-from .nodes import Failure, HealthPolicy, Node, Role, RoundRobin, State
+from .nodes import Failure, HealthPolicy, Node, Role, State
 from .pool import DecodePool
+from .prefill_policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("pd_router.fleet")
 
@@ -78,10 +79,11 @@ class Fleet:
         policy: HealthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         pool: Callable[[list[Node]], DecodePool] = DecodePool,
+        prefill_policy: str = DEFAULT_POLICY,
     ) -> None:
         self.policy = policy or HealthPolicy()
         self.clock = clock
-        self.prefill = RoundRobin(prefill)
+        self.prefill = POLICIES[prefill_policy](prefill)
         # In-process by default; shared by every router on one Redis with ``--state``.
         self.pool = pool(decode)
         self.bindings: dict[str, Binding] = {}

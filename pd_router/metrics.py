@@ -92,6 +92,9 @@ class Telemetry:
         self.registry = CollectorRegistry(auto_describe=False)
         self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
         self.upstream_errors: dict[tuple[Node, str], int] = {}
+        # (policy, "hit" or "miss"): prefill picks, by whether the prefix went where it
+        # went last time.
+        self.prefill_picks: dict[tuple[str, str], int] = {}
         self.queue_wait = Histogram(
             "pd_router_queue_wait_seconds", "Time from arrival to a reserved decode slot."
         )
@@ -120,6 +123,10 @@ class Telemetry:
     def upstream_error(self, node: Node, kind: str) -> None:
         key = (node, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def prefill_picked(self, policy: str, hit: bool) -> None:
+        key = (policy, "hit" if hit else "miss")
+        self.prefill_picks[key] = self.prefill_picks.get(key, 0) + 1
 
     def observe(self, timings: Timings) -> None:
         if timings.queued is not None:
@@ -155,6 +162,15 @@ class _StateCollector(Collector):
         for (node, kind), count in self._telemetry.upstream_errors.items():
             errors.add_metric([str(node.id), node.url, node.role, kind], count)
         yield errors
+        picks = CounterMetricFamily(
+            "pd_router_prefill_picks",
+            "Prefill nodes picked, by policy and prefix: hit when this router last sent the "
+            "request's prefix key (its conversation's opening) to the same node.",
+            labels=["policy", "prefix"],
+        )
+        for (policy, prefix), count in sorted(self._telemetry.prefill_picks.items()):
+            picks.add_metric([policy, prefix], count)
+        yield picks
         yield GaugeMetricFamily(
             "pd_router_queue_depth", "Requests waiting for a decode slot.", value=pool.queue_depth
         )

@@ -274,24 +274,3 @@ def usable(nodes: Sequence[Node]) -> tuple[State, ...]:
     if any(node.state is State.SERVING for node in nodes):
         return (State.SERVING,)
     return (State.SERVING, State.UNHEALTHY)
-
-
-class RoundRobin:
-    """Prefill nodes in turn, over those usable: prefill is short and keeps no state."""
-
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        self.nodes = list(nodes)
-        self._next = 0
-        self.usable = usable(self.nodes)
-
-    def refresh(self) -> None:
-        """A node's state changed."""
-        self.usable = usable(self.nodes)
-
-    def pick(self, avoid: Node | None = None) -> Node | None:
-        live = [node for node in self.nodes if node.state in self.usable and node is not avoid]
-        if not live:
-            return None
-        node = live[self._next % len(live)]
-        self._next += 1
-        return node

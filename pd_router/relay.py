@@ -52,6 +52,7 @@ from .fleet import Binding, Fleet
 from .metrics import Telemetry, Timings
 from .nodes import Failure, Node
 from .pool import Reservation
+from .prefill_policy import prefix_key
 from .response import ClientStream
 from .sse import EventRelay, with_usage_fixed
 from .upstream import Response, Upstream
@@ -121,6 +122,8 @@ class Relay:
         self._queued: float | None = None
         self._prefill_seconds: float | None = None
         self._prefill_node: Node | None = None
+        # Whether the prefill went where this prefix went last time (``RecentPrefixes``).
+        self._prefix_hit: bool | None = None
         self._decode_node: Node | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -170,6 +173,7 @@ class Relay:
                 "status": client.status,
                 "stream": self.stream,
                 "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+                "prefix_hit": self._prefix_hit,
                 "decode_node": None if self._decode_node is None else self._decode_node.id,
                 "queued_s": _rounded(self._queued),
                 "prefill_s": _rounded(self._prefill_seconds),
@@ -290,14 +294,15 @@ class Relay:
         """Prefill on the next live node; once more on another one if that engine failed.
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
-        first = prefill.pick()
+        key = prefix_key(self.body)
+        first = prefill.pick(key)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
-            return await self._prefill_on(first, binding)
+            return await self._prefill_on(first, binding, key)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
-            second = prefill.pick(avoid=first) if retry else None
+            second = prefill.pick(key, avoid=first) if retry else None
             if second is None:
                 raise
             log.warning(
@@ -307,12 +312,18 @@ class Relay:
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding)
+            return await self._prefill_on(second, binding, key)
 
-    async def _prefill_on(self, node: Node, binding: Binding) -> handshake.Prefilled | None:
+    async def _prefill_on(
+        self, node: Node, binding: Binding, key: int
+    ) -> handshake.Prefilled | None:
         fleet = self.router.fleet
+        # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
+        # the prefill policy counts them.
         fleet.set_prefill(binding, node)
         self._prefill_node = node
+        self._prefix_hit = fleet.prefill.recent.record(key, node)
+        self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
         prefilled = None
         try:
             # The engine pins the KV as it answers: a client leaving now must not strand it.

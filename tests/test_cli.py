@@ -369,7 +369,10 @@ def test_demo_help_shows_the_demos_own_defaults() -> None:
     assert entries["--decode-nodes N"].endswith("(default: 2)")
     assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
     assert entries["--itl SECONDS"].endswith("(default: 0.02)")
-    assert not any(invocation.startswith("--prefill") for invocation in entries)
+    assert not any(invocation.startswith("--prefill ") for invocation in entries)
+    assert entries["--prefill-policy {prefix,least_loaded,round_robin}"].endswith(
+        "(default: prefix)"
+    )
 
 
 def test_status_shows_a_prefill_nodes_slots_from_either_source() -> None:

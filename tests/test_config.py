@@ -387,3 +387,16 @@ def test_without_nodes_or_names_both_are_named(capsys: pytest.CaptureFixture[str
 )
 def test_dns_server_spellings(text: str, server: tuple[str, int]) -> None:
     assert parse([*NODES, "--dns-server", text]).dns_server == server
+
+
+def test_prefill_policy_from_each_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert build_router(parse(NODES)).fleet.prefill.name == "prefix"
+    file = 'prefill_policy = "round_robin"'
+    assert parse(NODES, toml=file, tmp_path=tmp_path).prefill_policy == "round_robin"
+    env = {"PD_ROUTER_PREFILL_POLICY": "least_loaded"}
+    args = parse(NODES, env=env, toml=file, tmp_path=tmp_path)
+    assert build_router(args).fleet.prefill.name == "least_loaded"
+    error = refusal(capsys, NODES, env={"PD_ROUTER_PREFILL_POLICY": "random"})
+    assert "PD_ROUTER_PREFILL_POLICY: expected one of prefix, least_loaded, round_robin" in error

@@ -121,7 +121,7 @@ async def test_with_every_node_unhealthy_new_requests_still_go_to_them() -> None
         for _ in range(3):
             fleet.failed(node, SLOW)
     assert {d0.state, d1.state, prefill.state} == {State.UNHEALTHY}
-    assert fleet.prefill.pick() is prefill
+    assert fleet.prefill.pick(0) is prefill
     taken = [await fleet.pool.acquire(0) for _ in range(2)]
     assert {r.node for r in taken} == {d0, d1}
     fleet.failed(d0, REFUSED)
@@ -131,7 +131,7 @@ async def test_with_every_node_unhealthy_new_requests_still_go_to_them() -> None
     assert d1.state is State.SERVING and fleet.serving_view() == [0, 2]
     fleet.probed(prefill)
     fleet.probed(prefill)
-    assert fleet.prefill.pick() is prefill and prefill.state is State.SERVING
+    assert fleet.prefill.pick(0) is prefill and prefill.state is State.SERVING
 
 
 async def test_a_stalled_node_fails_its_silent_streams_and_is_held_out() -> None:

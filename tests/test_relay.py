@@ -371,3 +371,27 @@ async def test_the_request_is_let_go_once_the_decode_engine_has_it() -> None:
     assert held == [{}]
     assert client.messages[0]["status"] == 200
     assert upstream.sent[1][1]["prompt"] == "long " * 1000
+
+
+async def test_a_conversation_returns_to_its_prefill_node_and_the_log_says_hit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream = ScriptedUpstream()
+    router = make_router(upstream, prefills=4)
+    opening = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    turns = [
+        {"model": "m", "messages": opening},
+        {"model": "m", "messages": [*opening, {"role": "assistant", "content": "yes"}]},
+    ]
+    caplog.set_level("INFO", logger="pd_router.access")
+    for body in turns:
+        client = Client()
+        await Relay(router, "chat", body, "r")({}, client.receive, client.send)  # type: ignore
+    prefills = [url for url, _ in upstream.sent if url.startswith("http://prefill")]
+    assert len(prefills) == 2 and prefills[0] == prefills[1]
+    node = prefills[0].split("/v1")[0][len("http://prefill") :]
+    lines = [record.getMessage() for record in caplog.records]
+    assert f"prefill_node={node} prefix_hit=False" in lines[0]
+    assert f"prefill_node={node} prefix_hit=True" in lines[1]
+    assert router.telemetry.prefill_picks == {("prefix", "miss"): 1, ("prefix", "hit"): 1}
+    assert not any(node.bound for node in router.fleet.prefill.nodes), "no prefill outstanding"
