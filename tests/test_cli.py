@@ -7,6 +7,7 @@ only parsing is checked."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import selectors
@@ -302,6 +303,19 @@ def test_the_demo_takes_a_config_file_and_the_environment(tmp_path: Path) -> Non
         )
         with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310
             assert b"hello cli" in response.read()
+        # A chat's second turn finds its first turn's blocks in a prefill engine's cache.
+        opening = [{"role": "system", "content": "word " * 40}, {"role": "user", "content": "hi"}]
+        cached = []
+        for messages in (opening, [*opening, {"role": "assistant", "content": "hi hi"}]):
+            request = urllib.request.Request(
+                url[1].decode() + "/v1/chat/completions",
+                data=json.dumps({"model": "sim-model", "messages": messages}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310
+                usage = json.loads(response.read())["usage"]
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        assert cached == [0, 32], "two prefill engines: the prefix policy found the cache"
     finally:
         assert demo.stop() == 0
     assert marked(mark) == [], "simulated engines left running"

@@ -29,6 +29,7 @@ PREFILL_KV = {
 }
 DEFAULT_CONFIG: dict[str, Any] = {
     "prefill_delay": 0.0,
+    "prefill_per_token": 0.0,
     "accept_delay": 0.0,
     "ttft": 0.0,
     "itl": 0.0,
@@ -165,12 +166,33 @@ def test_pinned_blocks_lease_and_pull() -> None:
     assert blocks.expire() == 1 and blocks.blocks_pinned == 0
 
 
+def cached(cache: PrefixCache, tokens: list[str]) -> int:
+    """A prefill: what was cached, then its blocks are."""
+    hits, hashes = cache.lookup(tokens)
+    cache.insert(hashes)
+    return hits
+
+
 def test_prefix_cache_counts_leading_full_blocks() -> None:
     cache = PrefixCache(block_size=2)
-    assert cache.lookup_and_insert(["a", "b", "c", "d", "e"]) == 0
-    assert cache.lookup_and_insert(["a", "b", "c", "d", "e"]) == 4
-    assert cache.lookup_and_insert(["a", "b", "x", "d"]) == 2
-    assert cache.lookup_and_insert(["z", "b", "c", "d"]) == 0
+    assert cached(cache, ["a", "b", "c", "d", "e"]) == 0
+    assert cached(cache, ["a", "b", "c", "d", "e"]) == 4
+    assert cached(cache, ["a", "b", "x", "d"]) == 2
+    assert cached(cache, ["z", "b", "c", "d"]) == 0
+    assert cache.lookup(["a", "b", "c", "d"])[0] == 4, "a lookup alone inserts nothing"
+
+
+def test_prefix_cache_evicts_the_least_recently_used_blocks() -> None:
+    cache = PrefixCache(block_size=2, capacity=4)
+    cached(cache, list("abcd"))  # 2 blocks
+    cached(cache, list("wxyz"))  # 4: full
+    assert cached(cache, list("ab")) == 2  # "ab" is now the most recent
+    cached(cache, list("pq"))  # evicts the oldest: the block "cd"
+    assert cache.blocks == 4
+    assert cached(cache, list("abcd")) == 2, "ab kept, cd evicted"
+    assert cached(cache, list("wxyz")) == 0, "wx was the oldest when cd came back"
+    cache.clear()
+    assert cache.blocks == 0 and cached(cache, list("ab")) == 0
 
 
 # Engines over HTTP.
@@ -346,6 +368,30 @@ def test_cached_tokens_on_a_repeated_prompt(client: httpx.Client, fleet: SimFlee
     first = do_prefill(client, fleet, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
     second = do_prefill(client, fleet, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert (first, second) == (0, 8)
+
+
+def test_prefill_time_follows_the_uncached_tokens_and_reset_empties_the_cache(
+    client: httpx.Client, fleet: SimFleet
+) -> None:
+    prefill = fleet.prefill[0]
+    prefill.configure(prefill_per_token=0.01)
+    prompt = " ".join(f"w{index}" for index in range(40))  # 10 blocks of 4
+
+    def timed() -> tuple[float, int]:
+        started = time.monotonic()
+        usage = do_prefill(client, fleet, prompt)["usage"]
+        return time.monotonic() - started, usage["prompt_tokens_details"]["cached_tokens"]
+
+    cold, nothing = timed()
+    warm, everything = timed()
+    assert (nothing, everything) == (0, 40)
+    assert cold >= 0.4 and warm < 0.2, (cold, warm)
+    stats = prefill.stats()
+    assert (stats["prompt_tokens"], stats["cached_tokens"]) == (80, 40)
+    assert stats["prefix_cache_blocks"] == 10
+    prefill.reset()
+    assert prefill.stats()["prefix_cache_blocks"] == 0
+    assert timed()[1] == 0
 
 
 def test_client_disconnect_mid_stream_aborts(client: httpx.Client, fleet: SimFleet) -> None:

@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(prefill)
     prefill.add_argument("--kv-lease", type=_non_negative, default=30.0)
     prefill.add_argument("--block-size", type=_positive, default=16)
+    prefill.add_argument(
+        "--prefix-cache-blocks",
+        type=_positive,
+        default=1 << 20,
+        help="blocks the prefix cache holds (least recently used evicted first)",
+    )
+    prefill.add_argument(
+        "--prefill-per-token",
+        type=_non_negative,
+        default=0.0,
+        help="seconds of compute per prompt token not in the prefix cache",
+    )
 
     decode = roles.add_parser("decode", help="kv_consumer: pulls KV, generates tokens")
     _common(decode)
@@ -72,6 +84,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if role == "prefill":
         from pd_router.sim.prefill import PrefillEngine
 
+        config.prefill_per_token = args.prefill_per_token
         settings = EngineSettings(
             role=role,
             host=args.host,
@@ -79,6 +92,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             engine_id=args.engine_id or f"sim-prefill-{args.port}",
             model=args.model,
             block_size=args.block_size,
+            prefix_cache_blocks=args.prefix_cache_blocks,
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
         )

@@ -19,6 +19,7 @@ class EngineSettings:
     engine_id: str
     model: str = "sim-model"
     block_size: int = 16
+    prefix_cache_blocks: int = 1 << 20
     max_model_len: int = 4096
     kv_lease: float = 30.0
     slots: int = 64
@@ -33,12 +34,15 @@ class SimConfig:
     ``[DONE]`` (non-streaming: after generating that many tokens, mid-body); prefill cuts
     its response body whenever it is set, and pins nothing.
     ``fail_status``: answer every generation request with this status and an OpenAI error.
+    ``prefill_delay`` + ``prefill_per_token`` x the prompt tokens not in the prefix cache:
+    how long a prefill computes.
     ``health_delay``: ``/health`` answers only after this long (a busy engine).
     ``stall``: while true, decode streams send nothing more and ``/health`` still answers
     200 (a hung scheduler, as vLLM's ``/health`` only reads an error flag).
     """
 
     prefill_delay: float = 0.0
+    prefill_per_token: float = 0.0
     accept_delay: float = 0.0
     ttft: float = 0.0
     itl: float = 0.0
@@ -59,7 +63,7 @@ class SimConfig:
             setattr(self, key, value)
 
 
-_DELAYS = ("prefill_delay", "accept_delay", "ttft", "itl", "health_delay")
+_DELAYS = ("prefill_delay", "prefill_per_token", "accept_delay", "ttft", "itl", "health_delay")
 
 
 def _count(value: object) -> int | None:

@@ -47,6 +47,9 @@ class Counters:
     # The most generation requests served at once: the router's slot accounting, seen from
     # the engine's side.
     peak_active: int = 0
+    # Prompt tokens prefilled, and those of them served from the prefix cache.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -103,6 +106,9 @@ class Engine:
 
     def maintain(self) -> None:
         """Runs before every request, for lazy housekeeping such as lease expiry."""
+
+    def reset(self) -> None:
+        """``POST /sim/reset``: what the role forgets besides the counters."""
 
     def prepare(self, job: Job) -> None:
         """Role-specific validation; raises ApiError."""
@@ -262,6 +268,7 @@ class Engine:
     async def _reset(self, exchange: Exchange) -> None:
         self.counters = Counters()
         self.request_ids.clear()
+        self.reset()
         await exchange.respond(200, self.stats())
 
     async def _get_config(self, exchange: Exchange) -> None:

@@ -73,13 +73,22 @@ class PinnedBlocks:
 
 
 class PrefixCache:
-    """Which full-block prefixes this engine has computed before, for ``cached_tokens``."""
+    """Which full-block prefixes this engine has computed, for ``cached_tokens``: an LRU of
+    ``capacity`` blocks, as vLLM's prefix caching evicts the least recently used free block.
+    """
 
     def __init__(self, block_size: int, capacity: int = 1 << 20) -> None:
         self.block_size = block_size
-        self._capacity = capacity
-        # A dict is an insertion-ordered set, so the oldest hashes go first when full.
+        self.capacity = capacity
+        # A dict is an insertion-ordered set: re-inserting a hash on use makes it an LRU.
         self._seen: dict[int, None] = {}
+
+    @property
+    def blocks(self) -> int:
+        return len(self._seen)
+
+    def clear(self) -> None:
+        self._seen.clear()
 
     def _prefix_hashes(self, tokens: list[str]) -> list[int]:
         # Chained like vLLM's block hashes: block k's hash covers tokens[0:(k+1)*block_size]
@@ -92,17 +101,21 @@ class PrefixCache:
             hashes.append(parent)
         return hashes
 
-    def lookup_and_insert(self, tokens: list[str]) -> int:
-        """Tokens served from cache (leading full blocks seen before); then remember them."""
+    def lookup(self, tokens: list[str]) -> tuple[int, list[int]]:
+        """Tokens served from cache (the leading full blocks it holds), and the prompt's
+        block hashes, for ``insert`` once they are computed."""
         hashes = self._prefix_hashes(tokens)
         hits = 0
         for block_hash in hashes:
             if block_hash not in self._seen:
                 break
             hits += 1
+        return hits * self.block_size, hashes
+
+    def insert(self, hashes: list[int]) -> None:
+        """The blocks were used (computed or read): most recent now, the oldest evicted."""
         for block_hash in hashes:
             self._seen.pop(block_hash, None)
             self._seen[block_hash] = None
-        while len(self._seen) > self._capacity:
+        while len(self._seen) > self.capacity:
             del self._seen[next(iter(self._seen))]
-        return hits * self.block_size

@@ -24,7 +24,7 @@ class PrefillEngine(Engine):
     def __init__(self, settings: EngineSettings, config: SimConfig) -> None:
         super().__init__(settings, config)
         self.blocks = PinnedBlocks(settings.block_size, settings.kv_lease)
-        self.prefix_cache = PrefixCache(settings.block_size)
+        self.prefix_cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
         self.add_route("POST", "/kv/pull", self._kv_pull)
 
     def maintain(self) -> None:
@@ -33,7 +33,11 @@ class PrefillEngine(Engine):
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
         stats["blocks_pinned"] = self.blocks.blocks_pinned
+        stats["prefix_cache_blocks"] = self.prefix_cache.blocks
         return stats
+
+    def reset(self) -> None:
+        self.prefix_cache.clear()
 
     def prepare(self, job: Job) -> None:
         params = job.body.get("kv_transfer_params")
@@ -46,10 +50,18 @@ class PrefillEngine(Engine):
             raise ApiError("the sim prefill engine does not stream; send stream: false", "stream")
 
     async def generate(self, exchange: Exchange, job: Job) -> Outcome:
-        await anyio.sleep(self.config.prefill_delay)
         tokens = job.prompt_tokens
-        crash = self.config.fail_after_tokens is not None
-        cached = 0 if crash else self.prefix_cache.lookup_and_insert(tokens)
+        cached, hashes = self.prefix_cache.lookup(tokens)
+        # Compute is spent on what the cache does not hold.
+        config = self.config
+        await anyio.sleep(config.prefill_delay + config.prefill_per_token * (len(tokens) - cached))
+        crash = config.fail_after_tokens is not None
+        if crash:
+            cached = 0
+        else:
+            self.prefix_cache.insert(hashes)
+            self.counters.prompt_tokens += len(tokens)
+            self.counters.cached_tokens += cached
         block_ids = [] if crash else self.blocks.pin(job.request_id, tokens)
         body = full_response(
             request_id=job.request_id,
