@@ -484,3 +484,23 @@ def test_standalone_decode_serves_plain_requests(client: httpx.Client) -> None:
         result = response.json()
         assert result["choices"][0]["text"] == " just me just"
         assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_prefill_engine_computes_at_most_its_concurrency_at_once() -> None:
+    args = ["--prefill-concurrency", "1", "--prefill-per-token", "0.01", "--block-size", "4"]
+    with EngineProcess("prefill", args) as engine, httpx.Client(timeout=10) as client:
+        done: list[float] = []
+
+        def prefill(word: str) -> None:
+            body = body_for(f"{word} " * 20, False, max_tokens=1, kv_transfer_params=PREFILL_KV)
+            assert client.post(engine.url + "/v1/completions", json=body).status_code == 200
+            done.append(time.monotonic())
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=prefill, args=(word,)) for word in ("a", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # 20 uncached tokens at 10 ms: 0.2 s each, one after the other.
+        assert max(done) - started >= 0.4 and min(done) - started < 0.35

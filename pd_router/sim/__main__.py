@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds of compute per prompt token not in the prefix cache",
     )
+    prefill.add_argument(
+        "--prefill-concurrency",
+        type=_positive,
+        default=1024,
+        help="prefills computed at once; more wait their turn",
+    )
 
     decode = roles.add_parser("decode", help="kv_consumer: pulls KV, generates tokens")
     _common(decode)
@@ -93,6 +99,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             model=args.model,
             block_size=args.block_size,
             prefix_cache_blocks=args.prefix_cache_blocks,
+            prefill_concurrency=args.prefill_concurrency,
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
         )

@@ -20,6 +20,8 @@ class EngineSettings:
     model: str = "sim-model"
     block_size: int = 16
     prefix_cache_blocks: int = 1 << 20
+    # Prefills computed at once; more wait their turn (a compute-bound engine).
+    prefill_concurrency: int = 1024
     max_model_len: int = 4096
     kv_lease: float = 30.0
     slots: int = 64

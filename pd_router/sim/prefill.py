@@ -25,6 +25,7 @@ class PrefillEngine(Engine):
         super().__init__(settings, config)
         self.blocks = PinnedBlocks(settings.block_size, settings.kv_lease)
         self.prefix_cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
+        self.compute = anyio.CapacityLimiter(settings.prefill_concurrency)
         self.add_route("POST", "/kv/pull", self._kv_pull)
 
     def maintain(self) -> None:
@@ -51,10 +52,13 @@ class PrefillEngine(Engine):
 
     async def generate(self, exchange: Exchange, job: Job) -> Outcome:
         tokens = job.prompt_tokens
-        cached, hashes = self.prefix_cache.lookup(tokens)
-        # Compute is spent on what the cache does not hold.
         config = self.config
-        await anyio.sleep(config.prefill_delay + config.prefill_per_token * (len(tokens) - cached))
+        async with self.compute:
+            # Compute is spent on what the cache holds when the prefill starts.
+            cached, hashes = self.prefix_cache.lookup(tokens)
+            await anyio.sleep(
+                config.prefill_delay + config.prefill_per_token * (len(tokens) - cached)
+            )
         crash = config.fail_after_tokens is not None
         if crash:
             cached = 0
