@@ -175,18 +175,18 @@ class Prefix(PrefillPolicy):
 
     def __init__(self, nodes: Sequence[Node]) -> None:
         super().__init__(nodes)
-        self._salts: dict[str, int] = {}
+        self._salts = {node.url: node_salt(node.url) for node in self.nodes}
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._salts = {node.url: node_salt(node.url) for node in self.nodes}
 
     def _choose(self, key: int, live: list[Node]) -> Node:
-        ranked = sorted(live, key=lambda node: _mix(key ^ self._salt(node.url)), reverse=True)
+        salts = self._salts
+        scores = [_mix(key ^ salts[node.url]) for node in live]
         limit = LOAD_FACTOR * sum(map(_load, live)) / len(live) + 1
-        return next(node for node in ranked if _load(node) <= limit)
-
-    def _salt(self, url: str) -> int:
-        salt = self._salts.get(url)
-        if salt is None:
-            salt = self._salts[url] = node_salt(url)
-        return salt
+        ranking = sorted(range(len(live)), key=scores.__getitem__, reverse=True)
+        return next(live[index] for index in ranking if _load(live[index]) <= limit)
 
 
 def _load(node: Node) -> int:

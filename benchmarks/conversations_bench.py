@@ -1,0 +1,327 @@
+"""Multi-turn conversations through pd-router: what each --prefill-policy gets from the
+prefill engines' prefix caches, in one run.
+
+    python benchmarks/conversations_bench.py            # 64 conversations x 6 turns
+    python benchmarks/conversations_bench.py --quick    # 64 x 4: < 60 s
+
+Simulated engines on 127.0.0.1: 4 prefill engines, each with a prefix cache smaller than
+the conversations' working set (LRU over 16-token blocks), computing one prefill at a time
+at --per-token seconds per uncached token; 2 decode engines. Every conversation shares one
+system prompt, and its turns run one after another (all conversations at once, each user
+thinking 0-100 ms before a turn); each turn appends the last answer and a new user
+message. Per configuration, with every cache emptied first: the share of prompt tokens
+served from cache (``cached_tokens`` of the answers), prefill requests per node (max/min),
+TTFT p50/p99 as the client sees it.
+
+Configurations, one after the other against the same engines: round_robin (the old
+behaviour, the baseline), least_loaded, prefix (the default), prefix through two router
+processes that share nothing (turn t goes to router t % 2, so every turn changes router),
+and one prefill engine with an unbounded cache (the best hit share any policy can reach).
+
+Then, in this process, the cost of picking a prefill node at 10,000 distinct
+conversations: prefix key + choice + hit bookkeeping per request, against round robin's.
+Every process started is stopped by its PID on every exit path, SIGTERM and Ctrl-C
+included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from pd_router.nodes import make_nodes  # noqa: E402
+from pd_router.prefill_policy import POLICIES, prefix_key  # noqa: E402
+from pd_router.sim.fleet import EngineProcess, RouterProcess  # noqa: E402
+
+MODEL = "sim-model"
+BLOCK = 16
+
+
+@dataclass
+class Workload:
+    conversations: int
+    turns: int
+    system_words: int
+    user_words: int
+    answer_tokens: int
+    # The most a user thinks between turns: conversations do not move in lockstep, which
+    # would let round robin send a conversation to the same node by accident.
+    think: float = 0.1
+    seed: int = 1
+
+    def system(self) -> str:
+        rng = random.Random(self.seed)
+        return " ".join(f"s{rng.randrange(10**6)}" for _ in range(self.system_words))
+
+    def user(self, conversation: int, turn: int) -> str:
+        rng = random.Random(f"{self.seed}-{conversation}-{turn}")
+        return " ".join(f"u{rng.randrange(10**6)}" for _ in range(self.user_words))
+
+
+@dataclass
+class Run:
+    name: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    prefills: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def cached_share(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+
+async def turn(
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], run: Run, answer: int
+) -> str | None:
+    """One streamed chat turn; the answer's text, or None if it failed."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": answer,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            run.errors += 1
+            await response.read()
+            return None
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", ()):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    text.append(content)
+    if first is None or usage is None:
+        run.errors += 1
+        return None
+    run.ttft.append(first - started)
+    run.prompt_tokens += usage["prompt_tokens"]
+    run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+    return "".join(text)
+
+
+async def converse(routers: Sequence[str], workload: Workload, run: Run) -> None:
+    system = workload.system()
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
+
+        async def conversation(index: int) -> None:
+            messages = [{"role": "system", "content": system}]
+            rng = random.Random(f"{workload.seed}-think-{index}")
+            for number in range(workload.turns):
+                await asyncio.sleep(rng.uniform(0, workload.think))
+                messages.append({"role": "user", "content": workload.user(index, number)})
+                router = routers[number % len(routers)]
+                answer = await turn(session, router, messages, run, workload.answer_tokens)
+                if answer is None:
+                    return
+                messages.append({"role": "assistant", "content": answer})
+
+        started = time.perf_counter()
+        await asyncio.gather(*(conversation(index) for index in range(workload.conversations)))
+        run.seconds = time.perf_counter() - started
+
+
+def measure(
+    name: str, routers: Sequence[RouterProcess], prefill: Sequence[EngineProcess], w: Workload
+) -> Run:
+    for engine in prefill:
+        engine.reset()  # counters and the prefix cache
+    run = Run(name)
+    asyncio.run(converse([router.url for router in routers], w, run))
+    run.prefills = [engine.stats()["requests"] for engine in prefill]
+    return run
+
+
+def pick_cost(conversations: int, nodes: int) -> dict[str, float]:
+    """Microseconds per request to key and pick, over ``conversations`` distinct chats."""
+    system = "You are a helpful assistant. " * 40
+    bodies = [
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"conversation {index}: " + "question " * 40},
+                {"role": "assistant", "content": "answer " * 60},
+                {"role": "user", "content": "and then? " * 10},
+            ],
+        }
+        for index in range(conversations)
+    ]
+    urls = [f"http://prefill-{index}:8100" for index in range(nodes)]
+    result = {}
+    for name in ("round_robin", "prefix"):
+        policy = POLICIES[name](make_nodes(urls, 1, role="prefill"))
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for body in bodies:
+                key = prefix_key(body)
+                node = policy.pick(key)
+                assert node is not None
+                policy.recent.record(key, node)
+            best = min(best, time.perf_counter() - started)
+        result[name] = best / conversations * 1e6
+    return result
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(runs: list[Run], best: Run, costs: dict[int, dict[str, float]]) -> None:
+    header = (
+        f"{'configuration':<28} {'cached':>7} {'of best':>8} {'prefills/node':>17} "
+        f"{'max/min':>7} {'TTFT p50':>9} {'p99':>8} {'errors':>6} {'seconds':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for run in runs:
+        counts = run.prefills
+        spread = f"{max(counts)}/{min(counts)}" if len(counts) > 1 else f"{counts[0]}"
+        ratio = f"{max(counts) / max(min(counts), 1):.2f}" if len(counts) > 1 else "-"
+        print(
+            f"{run.name:<28} {run.cached_share:>7.1%} "
+            f"{run.cached_share / max(best.cached_share, 1e-9):>8.1%} {spread:>17} {ratio:>7} "
+            f"{percentile(run.ttft, 0.5) * 1e3:>7.1f}ms {percentile(run.ttft, 0.99) * 1e3:>6.1f}ms "
+            f"{run.errors:>6} {run.seconds:>7.1f}"
+        )
+    print()
+    for nodes, cost in costs.items():
+        print(
+            f"pick cost, 10,000 conversations, {nodes} nodes: prefix {cost['prefix']:.1f} us "
+            f"per request (key + choice + hit), round_robin {cost['round_robin']:.1f} us"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 turns per conversation")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=1200,
+        help="each prefill engine's prefix cache, in 16-token blocks",
+    )
+    parser.add_argument("--per-token", type=float, default=0.0001, help="prefill s per token")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.turns = 4
+    workload = Workload(
+        args.conversations, args.turns, system_words=200, user_words=60, answer_tokens=60
+    )
+    engine_args = [
+        "--block-size",
+        str(BLOCK),
+        "--prefill-per-token",
+        str(args.per_token),
+        "--prefill-concurrency",
+        "1",
+    ]
+    bounded = [*engine_args, "--prefix-cache-blocks", str(args.cache_blocks)]
+    # Enough decode slots that nothing queues: the prefill side is what is measured.
+    decode_args = ["--slots", "512", "--ttft", "0", "--itl", "0"]
+    router_args = ["--decode-slots", "256", "--queue-timeout", "60", "--log-level", "warning"]
+    # SIGTERM unwinds like Ctrl-C does, through the ExitStack that stops every process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with ExitStack() as stack:
+        prefill = [EngineProcess("prefill", bounded) for _ in range(4)]
+        single = EngineProcess("prefill", engine_args)
+        decode = [EngineProcess("decode", decode_args) for _ in range(2)]
+        engines = [*prefill, single, *decode]
+        urls = [engine.url for engine in prefill]
+        decode_urls = [engine.url for engine in decode]
+
+        def router(prefill_urls: list[str], policy: str) -> RouterProcess:
+            process = RouterProcess(prefill_urls, decode_urls, "--prefill-policy", policy)
+            process.extra_args += router_args
+            return process
+
+        routers = {
+            policy: router(urls, policy) for policy in ("round_robin", "least_loaded", "prefix")
+        }
+        second = router(urls, "prefix")
+        unbounded = router([single.url], "round_robin")
+        processes = [*engines, *routers.values(), second, unbounded]
+        # Started together so that their imports overlap; each is stopped by its PID.
+        for process in processes:
+            stack.callback(process.stop)
+            process.start()
+        for process in processes:
+            process.wait_healthy(60)
+        print(
+            f"{workload.conversations} conversations x {workload.turns} turns, system prompt "
+            f"{workload.system_words} words, {workload.user_words} per user turn, "
+            f"{workload.answer_tokens}-token answers; 4 prefill engines, "
+            f"{args.cache_blocks} blocks of {BLOCK} tokens of cache each, "
+            f"{args.per_token * 1e6:.0f} us per uncached token, one prefill at a time",
+            flush=True,
+        )
+        runs = [
+            measure(policy, [process], prefill, workload) for policy, process in routers.items()
+        ]
+        runs.append(measure("prefix, 2 routers", [routers["prefix"], second], prefill, workload))
+        best = measure("1 node, unbounded cache", [unbounded], [single], workload)
+        runs.append(best)
+    costs = {nodes: pick_cost(10_000, nodes) for nodes in (4, 32)}
+    print()
+    report(runs, best, costs)
+    if args.json:
+        document = {
+            "workload": vars(workload),
+            "cache_blocks": args.cache_blocks,
+            "runs": [
+                {
+                    "name": run.name,
+                    "cached_share": run.cached_share,
+                    "prefills": run.prefills,
+                    "ttft_p50": percentile(run.ttft, 0.5),
+                    "ttft_p99": percentile(run.ttft, 0.99),
+                    "errors": run.errors,
+                    "seconds": run.seconds,
+                }
+                for run in runs
+            ],
+            "pick_cost_us": costs,
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2))
+
+
+if __name__ == "__main__":
+    main()
