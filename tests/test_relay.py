@@ -251,6 +251,8 @@ async def test_prefill_retries_once_on_another_node_after_an_engine_failure(
     assert p0.failures == 1 and p1.failures == 0
     assert p0.serving is not refused and p1.serving
     assert router.fleet.pool.in_use == 0
+    assert not p0.bound and not p1.bound, "the prefill policy's load counts are released"
+    assert router.telemetry.prefill_picks == {("prefix", "miss"): 2}
 
 
 @pytest.mark.parametrize(
