@@ -18,7 +18,7 @@ behaviour, the baseline), least_loaded, prefix (the default), prefix through two
 processes that share nothing (turn t goes to router t % 2, so every turn changes router),
 and one prefill engine with an unbounded cache (the best hit share any policy can reach).
 
-Then, in this process, the cost of picking a prefill node at 10,000 distinct
+Then, in this process, the cost of picking a prefill node at 100 and 10,000 distinct
 conversations: prefix key + choice + hit bookkeeping per request, against round robin's.
 Every process started is stopped by its PID on every exit path, SIGTERM and Ctrl-C
 included.
@@ -202,7 +202,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(runs: list[Run], best: Run, costs: dict[int, dict[str, float]]) -> None:
+def report(runs: list[Run], best: Run, costs: dict[str, dict[str, float]]) -> None:
     header = (
         f"{'configuration':<28} {'cached':>7} {'of best':>8} {'prefills/node':>17} "
         f"{'max/min':>7} {'TTFT p50':>9} {'p99':>8} {'errors':>6} {'seconds':>7}"
@@ -220,10 +220,10 @@ def report(runs: list[Run], best: Run, costs: dict[int, dict[str, float]]) -> No
             f"{run.errors:>6} {run.seconds:>7.1f}"
         )
     print()
-    for nodes, cost in costs.items():
+    for where, cost in costs.items():
         print(
-            f"pick cost, 10,000 conversations, {nodes} nodes: prefix {cost['prefix']:.1f} us "
-            f"per request (key + choice + hit), round_robin {cost['round_robin']:.1f} us"
+            f"pick cost, {where}: prefix {cost['prefix']:.1f} us per request "
+            f"(key + choice + hit), round_robin {cost['round_robin']:.1f} us"
         )
 
 
@@ -299,7 +299,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         runs.append(measure("prefix, 2 routers", [routers["prefix"], second], prefill, workload))
         best = measure("1 node, unbounded cache", [unbounded], [single], workload)
         runs.append(best)
-    costs = {nodes: pick_cost(10_000, nodes) for nodes in (4, 32)}
+    # The same cost at 100 and 10,000 conversations: nothing is searched per conversation.
+    costs = {
+        f"{conversations:,} conversations, {nodes} nodes": pick_cost(conversations, nodes)
+        for conversations, nodes in ((100, 4), (10_000, 4), (10_000, 32))
+    }
     print()
     report(runs, best, costs)
     if args.json:
