@@ -27,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.stream_bench import completion_body, cpu_ms, stream_completion  # noqa: E402
+from benchmarks.processes import cpu_ms  # noqa: E402
+from benchmarks.workloads.requests import completion_body, stream_completion  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
 
 FILLER = " ".join(f"w{i}" for i in range(40))

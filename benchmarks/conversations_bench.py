@@ -29,127 +29,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import aiohttp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.processes import raise_on_sigterm  # noqa: E402
+from benchmarks.workloads.conversations import Run, Workload, converse  # noqa: E402
+from benchmarks.workloads.requests import MODEL  # noqa: E402
 from pd_router.nodes import make_nodes  # noqa: E402
 from pd_router.prefill_policy import POLICIES, prefix_key  # noqa: E402
 from pd_router.sim.fleet import EngineProcess, RouterProcess  # noqa: E402
 
-MODEL = "sim-model"
 BLOCK = 16
-
-
-@dataclass
-class Workload:
-    conversations: int
-    turns: int
-    system_words: int
-    user_words: int
-    answer_tokens: int
-    # The most a user thinks between turns: conversations do not move in lockstep, which
-    # would let round robin send a conversation to the same node by accident.
-    think: float = 0.1
-    seed: int = 1
-
-    def system(self) -> str:
-        rng = random.Random(self.seed)
-        return " ".join(f"s{rng.randrange(10**6)}" for _ in range(self.system_words))
-
-    def user(self, conversation: int, turn: int) -> str:
-        rng = random.Random(f"{self.seed}-{conversation}-{turn}")
-        return " ".join(f"u{rng.randrange(10**6)}" for _ in range(self.user_words))
-
-
-@dataclass
-class Run:
-    name: str
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: list[float] = field(default_factory=list)
-    errors: int = 0
-    prefills: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def cached_share(self) -> float:
-        return self.cached_tokens / max(self.prompt_tokens, 1)
-
-
-async def turn(
-    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], run: Run, answer: int
-) -> str | None:
-    """One streamed chat turn; the answer's text, or None if it failed."""
-    body = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": answer,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    first: float | None = None
-    text: list[str] = []
-    usage: dict[str, Any] | None = None
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            run.errors += 1
-            await response.read()
-            return None
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", ()):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text.append(content)
-    if first is None or usage is None:
-        run.errors += 1
-        return None
-    run.ttft.append(first - started)
-    run.prompt_tokens += usage["prompt_tokens"]
-    run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
-    return "".join(text)
-
-
-async def converse(routers: Sequence[str], workload: Workload, run: Run) -> None:
-    system = workload.system()
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
-    ) as session:
-
-        async def conversation(index: int) -> None:
-            messages = [{"role": "system", "content": system}]
-            rng = random.Random(f"{workload.seed}-think-{index}")
-            for number in range(workload.turns):
-                await asyncio.sleep(rng.uniform(0, workload.think))
-                messages.append({"role": "user", "content": workload.user(index, number)})
-                router = routers[number % len(routers)]
-                answer = await turn(session, router, messages, run, workload.answer_tokens)
-                if answer is None:
-                    return
-                messages.append({"role": "assistant", "content": answer})
-
-        started = time.perf_counter()
-        await asyncio.gather(*(conversation(index) for index in range(workload.conversations)))
-        run.seconds = time.perf_counter() - started
 
 
 def measure(
@@ -195,13 +92,6 @@ def pick_cost(conversations: int, nodes: int) -> dict[str, float]:
     return result
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def report(runs: list[Run], best: Run, costs: dict[str, dict[str, float]]) -> None:
     header = (
         f"{'configuration':<28} {'cached':>7} {'of best':>8} {'prefills/node':>17} "
@@ -216,7 +106,7 @@ def report(runs: list[Run], best: Run, costs: dict[str, dict[str, float]]) -> No
         print(
             f"{run.name:<28} {run.cached_share:>7.1%} "
             f"{run.cached_share / max(best.cached_share, 1e-9):>8.1%} {spread:>17} {ratio:>7} "
-            f"{percentile(run.ttft, 0.5) * 1e3:>7.1f}ms {percentile(run.ttft, 0.99) * 1e3:>6.1f}ms "
+            f"{run.ttft(50) * 1e3:>7.1f}ms {run.ttft(99) * 1e3:>6.1f}ms "
             f"{run.errors:>6} {run.seconds:>7.1f}"
         )
     print()
@@ -258,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Enough decode slots that nothing queues: the prefill side is what is measured.
     decode_args = ["--slots", "512", "--ttft", "0", "--itl", "0"]
     router_args = ["--decode-slots", "256", "--queue-timeout", "60", "--log-level", "warning"]
-    # SIGTERM unwinds like Ctrl-C does, through the ExitStack that stops every process.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with ExitStack() as stack:
+        # SIGTERM unwinds like Ctrl-C does, through this stack that stops every process.
+        stack.callback(raise_on_sigterm())
         prefill = [EngineProcess("prefill", bounded) for _ in range(4)]
         single = EngineProcess("prefill", engine_args)
         decode = [EngineProcess("decode", decode_args) for _ in range(2)]
@@ -315,8 +205,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "name": run.name,
                     "cached_share": run.cached_share,
                     "prefills": run.prefills,
-                    "ttft_p50": percentile(run.ttft, 0.5),
-                    "ttft_p99": percentile(run.ttft, 0.99),
+                    "ttft_p50": run.ttft(50),
+                    "ttft_p99": run.ttft(99),
                     "errors": run.errors,
                     "seconds": run.seconds,
                 }

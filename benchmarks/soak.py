@@ -46,23 +46,26 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-from stream_bench import (
-    FILLER,
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.processes import (  # noqa: E402
     HOST,
-    _event_loop_factory,
-    _raise_on_sigterm,
-    completion_body,
-    log,
-    new_session,
+    event_loop_factory,
     proc_status,
+    raise_on_sigterm,
     run_coroutine,
 )
-
-from pd_router.sim.fleet import EngineProcess, RouterProcess, SimFleet
+from benchmarks.report import log  # noqa: E402
+from benchmarks.workloads.requests import FILLER, completion_body, new_session  # noqa: E402
+from pd_router.sim.fleet import EngineProcess, RouterProcess, SimFleet  # noqa: E402
 
 MIB = 1 << 20
 # Share of each kind of request (weights, normalized); a burst draw sends --burst requests.
@@ -559,7 +562,7 @@ def router_log_errors(router: RouterProcess) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    restore = _raise_on_sigterm()
+    restore = raise_on_sigterm()
     try:
         decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl), "--slots", "256"]
         log(
@@ -589,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + f"  loadgen={os.getpid()}"
             )
             soak = Soak(args, router, fleet.decode[1])
-            with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
                 run_coroutine(runner, soak.run())
             errors = router_log_errors(router)
             log(f"router log: {len(errors)} error lines")

@@ -55,24 +55,25 @@ import aiohttp
 # benchmarks/ and tests/ are not installed: import them from this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.stream_bench import (  # noqa: E402
+from benchmarks.processes import (  # noqa: E402
     CLK_TCK,
-    FILLER,
-    PATH,
     PY_SPY_RATE,
     CpuMeter,
-    _event_loop_factory,
-    _raise_on_sigterm,
-    completion_body,
-    log,
-    new_session,
-    percentile,
+    event_loop_factory,
     py_spy_command,
+    raise_on_sigterm,
     read_profile,
     run_coroutine,
-    stream_completion,
-    throughput,
 )
+from benchmarks.report import log, percentile  # noqa: E402
+from benchmarks.workloads.requests import (  # noqa: E402
+    FILLER,
+    PATH,
+    completion_body,
+    new_session,
+    stream_completion,
+)
+from benchmarks.workloads.throughput import throughput  # noqa: E402
 from pd_router.redis_client import Redis, Settings  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -566,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter()
     with contextlib.ExitStack() as stack:
         # Unwound in reverse: every process is stopped before SIGTERM's handler is restored.
-        stack.callback(_raise_on_sigterm())
+        stack.callback(raise_on_sigterm())
         with signals_held():
             fleet, redis, routers = start_processes(stack, args)
         pids = {name: router.pid for name, router in routers.items()}
@@ -579,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             {name: pid for name, pid in pids.items() if pid is not None},
             redis.port,
         )
-        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             run_coroutine(runner, bench.run())
     bench.print_report(redis.url)
     log(f"total wall time: {time.perf_counter() - wall:.1f} s")

@@ -26,8 +26,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.compare_commits import load  # noqa: E402
+from benchmarks.processes import cpu_ms  # noqa: E402
 from benchmarks.state_cost import DECODE_ARGS  # noqa: E402
-from benchmarks.stream_bench import cpu_ms  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
