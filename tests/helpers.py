@@ -89,11 +89,19 @@ class RawClient:
         self.sock.close()
 
 
+def _redis(state_url: str, *command: str) -> Any:
+    async def call() -> Any:
+        async with Redis(parse_url(state_url), timeout=2.0) as redis:
+            return await redis.call(*command)
+
+    return anyio.run(call)
+
+
 def slots_in_use(state_url: str) -> int:
     """Decode slots the routers sharing ``state_url`` (``--state``) hold, by Redis's count."""
+    return sum(int(value) for value in _redis(state_url, "HVALS", "{pdr}:used"))
 
-    async def read() -> Any:
-        async with Redis(parse_url(state_url), timeout=2.0) as redis:
-            return await redis.call("HVALS", "{pdr}:used")
 
-    return sum(int(value) for value in anyio.run(read))
+def queued(state_url: str) -> int:
+    """Requests waiting for a slot on any router sharing ``state_url``, by Redis's queue."""
+    return int(_redis(state_url, "ZCARD", "{pdr}:queue"))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RouterProcess, slots_in_use, wait_for
+from tests.helpers import RawClient, RouterProcess, queued, slots_in_use, wait_for
 from tests.redis_server import RedisServer
 
 STREAM = {"model": "sim-model", "prompt": "hello shared pool", "max_tokens": 20, "stream": True}
@@ -67,6 +67,48 @@ def test_a_burst_wider_than_the_pool_never_puts_more_on_an_engine_than_its_slots
         peaks = [engine.stats()["peak_active"] for engine in fleet.decode]
         assert max(peaks) <= 2, f"an engine served more than its 2 slots: {peaks}"
         assert min(peaks) == 2, "the burst filled every slot"
+        for router in rs:
+            router.assert_idle()
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
+
+
+def test_waiters_on_different_routers_are_served_in_arrival_order(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    """One queue across routers: the pool is full, six requests queue one after another on
+    three routers, and one slot frees at a time; each request must be served before any
+    that came after it, whichever router either came through."""
+    with routers(fleet, redis_server, 3, "--decode-slots", "1", "--queue-timeout", "60") as rs:
+        holders = [
+            RawClient(rs[0].url, "/v1/completions", {**STREAM, "max_tokens": 5000})
+            for _ in fleet.decode
+        ]
+        for holder in holders:
+            holder.read_until(b"data: ")
+        assert slots_in_use(redis_server.url) == len(holders)
+        served: list[int] = []
+        failures: list[str] = []
+
+        def waiter(index: int) -> None:
+            body = {**STREAM, "stream": False, "max_tokens": 2, "prompt": f"waiter {index}"}
+            answer = stream(rs[index % 3].url, body)
+            if answer.status_code == 200:
+                served.append(index)
+            else:
+                failures.append(answer.text)
+
+        threads = []
+        for index in range(6):
+            threads.append(threading.Thread(target=waiter, args=(index,)))
+            threads[-1].start()
+            # The next one arrives only once this one is in the queue.
+            wait_for(lambda: queued(redis_server.url) == index + 1, what=f"waiter {index} queued")
+        holders[0].hang_up()  # one slot, so the waiters go through it one at a time
+        for thread in threads:
+            thread.join(60)
+        assert not failures, failures
+        assert served == list(range(6)), f"served out of arrival order: {served}"
+        holders[1].hang_up()
         for router in rs:
             router.assert_idle()
         wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
