@@ -23,9 +23,11 @@ from .admin import abort_here, admin_routes
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe_forever, supervise, watch_stalls
 from .lag import LoopLag
+from .membership import LocalMembership, Membership
 from .relay import Relay, Router
 from .remote_abort import RemoteAborts
 from .response import ClientStream
+from .shared_fleet import SharedFleet
 from .shared_pool import SharedPool
 from .validation import PATHS, Endpoint, parse_body, request_id
 
@@ -106,8 +108,10 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
+    membership: Membership = LocalMembership(fleet)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
+        membership = SharedFleet(fleet, fleet.pool)
 
     async def models(request: Request) -> Response:
         serving = set(fleet.serving_view())
@@ -176,7 +180,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
-                for name, work in fleet.pool.background():
+                for name, work in [*fleet.pool.background(), *membership.background()]:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
@@ -197,7 +201,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
-        routes.extend(admin_routes(router, options.admin_token, remote))
+        routes.extend(admin_routes(router, options.admin_token, remote, membership))
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:

@@ -81,6 +81,9 @@ class Fleet:
         # Every request in flight by id, from its arrival (before it has a slot) to its end.
         self.requests: dict[str, Handle] = {}
         self._next_id = len(prefill) + len(decode)
+        # Told of each death and readmission this router finds (not of those it is told of):
+        # with ``--state`` the shared fleet publishes them to every router.
+        self.on_verdict: Callable[[Node], None] = lambda node: None
 
     @property
     def nodes(self) -> list[Node]:
@@ -152,6 +155,7 @@ class Fleet:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
             failing = self.fail_bound(node, NodeDead(message), spare=reporter, spare_flowing=True)
             log.warning("%s; failing its %d requests", message, failing)
+            self.on_verdict(node)
         elif state is State.UNHEALTHY:
             log.warning(
                 "%s node %s (%s) is unhealthy: %s; no new requests, its %d in flight continue",
@@ -173,6 +177,26 @@ class Fleet:
         if node.probed(self.policy, self.clock()):
             log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
             self._changed()
+            self.on_verdict(node)
+
+    # What another router found (``--state``): the same consequences, no echo
+
+    def declare_dead(self, node: Node, reason: str | None, message: str) -> None:
+        if node.state is State.DEAD:
+            return
+        node.state, node.reason, node.last_error = State.DEAD, reason, message
+        message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
+        failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)
+        log.warning("%s; failing its %d requests here", message, failing)
+        self._changed()
+
+    def readmit(self, node: Node) -> None:
+        if node.state is not State.DEAD:
+            return
+        node.served()
+        node.state, node.reason = State.SERVING, None
+        log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
+        self._changed()
 
     def stalled(self, node: Node, silent: list[Binding], seconds: float, hold: float) -> None:
         """Every started stream on ``node`` has been silent ``seconds``: each gets one
@@ -226,9 +250,19 @@ class Fleet:
 
     # Administration
 
-    def add(self, url: str, role: Role, slots: int) -> Node:
-        node = Node(id=self._next_id, url=url, slots=slots, role=role)
-        self._next_id += 1
+    def add(
+        self,
+        url: str,
+        role: Role,
+        slots: int,
+        *,
+        labels: dict[str, str] | None = None,
+        node_id: int | None = None,
+    ) -> Node:
+        """A new node, under a new id unless ``node_id`` (the shared fleet's) is given."""
+        node_id = self._next_id if node_id is None else node_id
+        node = Node(id=node_id, url=url, slots=slots, role=role, labels=labels or {})
+        self._next_id = max(self._next_id, node_id + 1)
         (self.pool.nodes if role == "decode" else self.prefill.nodes).append(node)
         self._changed()
         return node
@@ -237,6 +271,16 @@ class Fleet:
         if node.state in (State.SERVING, State.UNHEALTHY):
             node.state = State.DRAINING
             node.reason = "drained"
+            self._changed()
+
+    def undrain(self, node: Node) -> None:
+        if node.state is State.DRAINING:
+            node.state, node.reason = State.SERVING, None
+            self._changed()
+
+    def resize(self, node: Node, slots: int) -> None:
+        if node.slots != slots:
+            node.slots = slots
             self._changed()
 
     def remove(self, node: Node, *, force: bool = False) -> None:

@@ -1,0 +1,168 @@
+"""Who changes the fleet, and where the fleet lives: this process, or every router's Redis.
+
+The admin API adds, drains and removes nodes through a ``Membership``, chosen at start-up:
+``LocalMembership`` changes this process's ``Fleet`` and nothing else (no ``--state``,
+today's behaviour); ``shared_fleet.SharedFleet`` writes the change to Redis, and every
+router applies it. What a router does with the shared fleet's records is decided here, with
+no I/O (``apply``): the records are the truth for membership and admin states, the shared
+verdicts for life and death; everything else (unhealthy, stalled, the failure streaks)
+stays each router's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Container, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import orjson
+
+from .fleet import Fleet
+from .nodes import Node, Role, State
+
+Admin = Literal["serving", "draining", "removed"]
+ADMIN_STATES: tuple[Admin, ...] = ("serving", "draining", "removed")
+
+Background = list[tuple[str, Callable[[], Awaitable[None]]]]
+
+
+class Membership(Protocol):
+    async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
+        """The node serving with these slots and labels (with ``--state``, the same URL
+        keeps its id: adding it again changes it, under that id)."""
+
+    async def drain(self, node: Node) -> None: ...
+
+    async def remove(self, node: Node, force: bool) -> None:
+        """Raises ``ValueError`` (why not) when the node still serves or has requests."""
+
+    async def in_flight(self) -> dict[str, dict[int, int]] | None:
+        """Requests in flight per router, per node id; None: there is only this router."""
+
+    def background(self) -> Background:
+        """Work that lives as long as the app (named, for its supervisor)."""
+
+
+class LocalMembership:
+    """The fleet of this process only."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
+        return self.fleet.add(url, role, slots, labels=labels)
+
+    async def drain(self, node: Node) -> None:
+        self.fleet.drain(node)
+
+    async def remove(self, node: Node, force: bool) -> None:
+        self.fleet.remove(node, force=force)
+
+    async def in_flight(self) -> dict[str, dict[int, int]] | None:
+        return None
+
+    def background(self) -> Background:
+        return []
+
+
+@dataclass(frozen=True)
+class Record:
+    """A node as the shared fleet keeps it (``{pdr}:nodes`` and ``{pdr}:admin``)."""
+
+    id: int
+    role: Role
+    url: str
+    slots: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+    admin: Admin = "serving"
+
+    def body(self) -> bytes:
+        """What ``{pdr}:nodes`` holds for it (the id is the field, the admin state apart)."""
+        document = {"role": self.role, "url": self.url, "slots": self.slots}
+        return orjson.dumps({**document, "labels": dict(self.labels)})
+
+    @classmethod
+    def parse(cls, node_id: int, body: bytes, admin: bytes | None) -> Record:
+        document: dict[str, Any] = orjson.loads(body)
+        role = document["role"]
+        state = (admin or b"serving").decode()
+        if role not in ("prefill", "decode") or state not in ADMIN_STATES:
+            raise ValueError(f"node {node_id}: role {role!r}, admin state {state!r}")
+        labels = {str(k): str(v) for k, v in (document.get("labels") or {}).items()}
+        slots, url = int(document["slots"]), str(document["url"])
+        return cls(node_id, role, url, slots, labels, state)
+
+    @classmethod
+    def of(cls, node: Node, admin: Admin = "serving") -> Record:
+        return cls(node.id, node.role, node.url, node.slots, dict(node.labels), admin)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A router's finding on a node's life (``{pdr}:health``): dead, or back."""
+
+    dead: bool
+    reason: str | None
+    message: str
+    router: str
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"dead": self.dead, "reason": self.reason, "message": self.message, "by": self.router}
+        )
+
+    @classmethod
+    def parse(cls, body: bytes) -> Verdict:
+        document: dict[str, Any] = orjson.loads(body)
+        reason = document.get("reason")
+        return cls(
+            bool(document["dead"]),
+            None if reason is None else str(reason),
+            str(document.get("message", "")),
+            str(document.get("by", "")),
+        )
+
+    @classmethod
+    def of(cls, node: Node, router: str) -> Verdict:
+        dead = node.state is State.DEAD
+        return cls(dead, node.reason, (node.last_error or "") if dead else "", router)
+
+
+def apply(
+    fleet: Fleet,
+    records: Mapping[int, Record],
+    verdicts: Mapping[int, Verdict],
+    own: Container[int] = (),
+) -> None:
+    """Make ``fleet`` what the shared records say; ``own``: ids whose verdict found here has
+    not reached Redis yet (the local one is the newer)."""
+    by_id = {node.id: node for node in fleet.nodes}
+    for record in sorted(records.values(), key=lambda record: record.id):
+        node = by_id.get(record.id)
+        if record.admin == "removed":
+            if node is not None:
+                # Removed through another router, which checked it drained and idle there;
+                # what still runs here on it is failed, once, as a forced removal does.
+                fleet.remove(node, force=True)
+            continue
+        if node is None:
+            node = fleet.add(
+                record.url, record.role, record.slots, labels=dict(record.labels), node_id=record.id
+            )
+        else:
+            fleet.resize(node, record.slots)
+            node.labels = dict(record.labels)
+        verdict = verdicts.get(record.id)
+        if verdict is not None and record.id not in own:
+            if verdict.dead:
+                fleet.declare_dead(node, verdict.reason, _found_by(verdict))
+            else:
+                fleet.readmit(node)
+        if record.admin == "draining":
+            fleet.drain(node)
+        elif node.state is State.DRAINING:
+            fleet.undrain(node)
+
+
+def _found_by(verdict: Verdict) -> str:
+    return f"{verdict.message} (found by router {verdict.router})"
