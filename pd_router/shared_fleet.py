@@ -59,8 +59,8 @@ class SharedFleet:
         self.pool = pool
         self.redis = pool.redis
         self.router_id = pool.router_id
-        # This router's configured nodes, until they have the fleet's ids.
-        self._configured: list[Node] | None = list(fleet.nodes)
+        # This router's configured nodes and slots, until they have the fleet's ids.
+        self._configured: list[tuple[Node, int]] | None = [(n, n.slots) for n in fleet.nodes]
         # The fleet as last read from Redis: what is put back if Redis loses it.
         self.records: dict[int, Record] = {}
         # Verdicts found here that Redis has not taken yet, by node id.
@@ -135,13 +135,21 @@ class SharedFleet:
     async def register(self) -> None:
         """Before the pool registers: this router's nodes get their ids, the fleet is read."""
         async with self._locked():
+            configured = self._configured
             await self._adopt()
             await self._sync()
+        for node, slots in configured or ():
+            if node.slots != slots and node in self.fleet.nodes:
+                log.warning(
+                    "%s node %s (%s): the shared fleet has %d slots, this router's flags %d; "
+                    "the fleet's hold (POST /admin/nodes changes them)",
+                    node.role, node.id, node.url, node.slots, slots,
+                )  # fmt: skip
 
     async def _adopt(self) -> None:
-        nodes = self._configured
-        if nodes is None:
+        if self._configured is None:
             return
+        nodes = [node for node, _ in self._configured]
         args: list[str] = []
         for node in nodes:
             args += [node.role, node.url, Record.of(node).body().decode(), "serving", ""]
