@@ -132,13 +132,17 @@ def apply(
     fleet: Fleet,
     records: Mapping[int, Record],
     verdicts: Mapping[int, Verdict],
-    own: Container[int] = (),
+    own: Container[Node] = (),
 ) -> None:
-    """Make ``fleet`` what the shared records say; ``own``: ids whose verdict found here has
-    not reached Redis yet (the local one is the newer)."""
-    by_id = {node.id: node for node in fleet.nodes}
+    """Make ``fleet`` what the shared records say; ``own``: nodes whose verdict found here
+    has not reached Redis yet (the local one is the newer).
+
+    Nodes are matched by role and URL, and take the record's id: Redis's ids are the truth,
+    and one that changed (a fleet put back after Redis lost it, while a new router took its
+    ids) changes here too."""
+    by_key = {(node.role, node.url): node for node in fleet.nodes}
     for record in sorted(records.values(), key=lambda record: record.id):
-        node = by_id.get(record.id)
+        node = by_key.get((record.role, record.url))
         if record.admin == "removed":
             if node is not None:
                 # Removed through another router, which checked it drained and idle there;
@@ -150,10 +154,11 @@ def apply(
                 record.url, record.role, record.slots, labels=dict(record.labels), node_id=record.id
             )
         else:
+            node.id = record.id
             fleet.resize(node, record.slots)
             node.labels = dict(record.labels)
         verdict = verdicts.get(record.id)
-        if verdict is not None and record.id not in own:
+        if verdict is not None and node not in own:
             if verdict.dead:
                 fleet.declare_dead(node, verdict.reason, _found_by(verdict))
             else:

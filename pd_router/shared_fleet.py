@@ -63,16 +63,17 @@ class SharedFleet:
         self._configured: list[tuple[Node, int]] | None = [(n, n.slots) for n in fleet.nodes]
         # The fleet as last read from Redis: what is put back if Redis loses it.
         self.records: dict[int, Record] = {}
-        # Verdicts found here that Redis has not taken yet, by node id.
-        self._unsent: dict[int, Verdict] = {}
+        # Verdicts found here that Redis has not taken yet (by node: a node found dead
+        # before this router registered still has the id of its flags' order).
+        self._unsent: dict[Node, Verdict] = {}
         # Created on first use: an anyio lock needs a running loop.
         self._lock: anyio.Lock | None = None
         self._published: dict[int, int] | None = None
         self._published_at = -math.inf
-        verdicts: tuple[MemoryObjectSendStream[int], MemoryObjectReceiveStream[int]]
+        verdicts: tuple[MemoryObjectSendStream[Node], MemoryObjectReceiveStream[Node]]
         verdicts = anyio.create_memory_object_stream(math.inf)
-        self._found_ids, self._to_send = verdicts
-        fleet.on_verdict = self._found
+        self._found, self._to_send = verdicts
+        fleet.on_verdict = self._verdict_found
         pool.before_register = self.register
 
     # ------------------------------------------------------------------ Membership
@@ -163,26 +164,28 @@ class SharedFleet:
                 seen.add(node.id)
         self._configured = None
 
-    async def _put_back(self) -> None:
-        """Redis lost the fleet (restarted empty): write back the one last read, under its
-        ids where nobody took them meanwhile."""
-        known = sorted(self.records.values(), key=lambda record: record.id)
+    async def _put_back(self, missing: list[Record]) -> None:
+        """Redis lost these nodes (it restarted empty): write them back, under their ids
+        where nobody took them meanwhile (``apply`` follows any that changed)."""
         args: list[str] = []
-        for r in known:
+        for r in missing:
             args += [r.role, r.url, r.body().decode(), r.admin, str(r.id)]
-        ids = await self._run(_NODES, ["adopt", self.router_id, *args])
-        nodes = {node.id: node for node in self.fleet.nodes}
-        for record, node_id in zip(known, ids):
-            if int(node_id) != record.id and record.id in nodes:
-                nodes[record.id].id = int(node_id)
-        log.warning("the shared state had lost the fleet: put back its %d nodes", len(known))
+        await self._run(_NODES, ["adopt", self.router_id, *args])
+        log.warning("the shared state had lost %d nodes of the fleet: put back", len(missing))
 
     async def _sync(self) -> None:
         """Read the fleet and make the local one match (the lock held)."""
+        records, verdicts = await self._read()
+        known = {(r.role, r.url) for r in records.values()}
+        missing = [r for r in self.records.values() if (r.role, r.url) not in known]
+        if missing:
+            await self._put_back(missing)
+            records, verdicts = await self._read()
+        self.records = records
+        apply(self.fleet, records, verdicts, self._unsent)
+
+    async def _read(self) -> tuple[dict[int, Record], dict[int, Verdict]]:
         nodes, admin, health = await self._run(_SNAPSHOT, [])
-        if not nodes and self.records:
-            await self._put_back()
-            nodes, admin, health = await self._run(_SNAPSHOT, [])
         states = dict(zip(admin[::2], admin[1::2]))
         records: dict[int, Record] = {}
         for key, body in zip(nodes[::2], nodes[1::2]):
@@ -196,8 +199,7 @@ class SharedFleet:
                 verdicts[int(key)] = Verdict.parse(body)
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("shared fleet: verdict on node %s unreadable: %r", key, exc)
-        self.records = records
-        apply(self.fleet, records, verdicts, self._unsent)
+        return records, verdicts
 
     async def _set_admin(self, node: Node, state: str) -> None:
         async with self._locked():
@@ -208,22 +210,23 @@ class SharedFleet:
 
     # ------------------------------------------------------------------ verdicts found here
 
-    def _found(self, node: Node) -> None:
+    def _verdict_found(self, node: Node) -> None:
         """The fleet found ``node`` dead, or back (synchronous: the fleet's hook)."""
-        self._unsent[node.id] = Verdict.of(node, self.router_id)
-        self._found_ids.send_nowait(node.id)
+        self._unsent[node] = Verdict.of(node, self.router_id)
+        self._found.send_nowait(node)
         record = self.records.get(node.id)
         if record is not None and record.admin == "draining":
             self.fleet.drain(node)  # back from the dead, still drained by an operator
 
     async def _send_verdicts(self) -> None:
-        async for node_id in self._to_send:
-            while (verdict := self._unsent.get(node_id)) is not None:
+        async for node in self._to_send:
+            while (verdict := self._unsent.get(node)) is not None:
                 try:
                     async with self._locked():
-                        await self._run(_VERDICT, [self.router_id, str(node_id), verdict.body()])
-                        if self._unsent.get(node_id) is verdict:
-                            del self._unsent[node_id]
+                        await self._adopt()  # the node's id is the fleet's
+                        await self._run(_VERDICT, [self.router_id, str(node.id), verdict.body()])
+                        if self._unsent.get(node) is verdict:
+                            del self._unsent[node]
                     break
                 except StateUnavailable:
                     await anyio.sleep(RETRY)

@@ -77,7 +77,7 @@ def test_a_verdict_found_here_and_not_yet_in_redis_stands_over_the_stored_one() 
     fleet = fleet_of(P, D1)
     d1 = fleet.pool.nodes[0]
     fleet.failed(d1, Failure("unreachable", "refused", Evidence.FATAL))
-    apply(fleet, {0: P, 1: D1}, {1: BACK}, own={1})
+    apply(fleet, {0: P, 1: D1}, {1: BACK}, own={d1})
     assert d1.state is State.DEAD
     apply(fleet, {0: P, 1: D1}, {1: BACK})
     assert d1.state is State.SERVING
