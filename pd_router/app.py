@@ -111,7 +111,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     membership: Membership = LocalMembership(fleet)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
-        membership = SharedFleet(fleet, fleet.pool)
+        membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
 
     async def models(request: Request) -> Response:
         serving = set(fleet.serving_view())
@@ -175,6 +175,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         options.health_interval,
                         options.health_timeout,
                         lag,
+                        membership.may_probe,
                     )
                     tg.start_soon(supervise, "the prober", prober)
                 if options.stall_timeout > 0:

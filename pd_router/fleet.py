@@ -81,8 +81,9 @@ class Fleet:
         # Every request in flight by id, from its arrival (before it has a slot) to its end.
         self.requests: dict[str, Handle] = {}
         self._next_id = len(prefill) + len(decode)
-        # Told of each death and readmission this router finds (not of those it is told of):
-        # with ``--state`` the shared fleet publishes them to every router.
+        # Told of each death, unhealthy verdict and readmission this router finds (not of a
+        # stall, its own streams' business, nor of what it is told): with ``--state`` the
+        # shared fleet publishes them to every router.
         self.on_verdict: Callable[[Node], None] = lambda node: None
 
     @property
@@ -155,7 +156,6 @@ class Fleet:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
             failing = self.fail_bound(node, NodeDead(message), spare=reporter, spare_flowing=True)
             log.warning("%s; failing its %d requests", message, failing)
-            self.on_verdict(node)
         elif state is State.UNHEALTHY:
             log.warning(
                 "%s node %s (%s) is unhealthy: %s; no new requests, its %d in flight continue",
@@ -167,6 +167,7 @@ class Fleet:
             )
         if state is not None:
             self._changed()
+            self.on_verdict(node)
 
     def served(self, node: Node) -> None:
         """A real request on ``node`` succeeded."""
@@ -181,21 +182,27 @@ class Fleet:
 
     # What another router found (``--state``): the same consequences, no echo
 
-    def declare_dead(self, node: Node, reason: str | None, message: str) -> None:
-        if node.state is State.DEAD:
+    def told(self, node: Node, state: State, reason: str | None, message: str) -> None:
+        """Another router's verdict: dead (its requests here fail), unhealthy, or serving
+        again (not before a stall hold found here ends)."""
+        if state is State.DEAD and node.state is not State.DEAD:
+            node.state, node.reason, node.last_error = State.DEAD, reason, message
+            message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
+            failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)
+            log.warning("%s; failing its %d requests here", message, failing)
+        elif state is State.UNHEALTHY and node.state is State.SERVING:
+            node.state, node.reason, node.last_error = State.UNHEALTHY, reason, message
+            log.warning("%s node %s (%s) is unhealthy: %s", node.role, node.id, node.url, message)
+        elif (
+            state is State.SERVING
+            and node.state in (State.DEAD, State.UNHEALTHY)
+            and self.clock() >= node.hold_until
+        ):
+            node.served()
+            node.state, node.reason = State.SERVING, None
+            log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
+        else:
             return
-        node.state, node.reason, node.last_error = State.DEAD, reason, message
-        message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
-        failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)
-        log.warning("%s; failing its %d requests here", message, failing)
-        self._changed()
-
-    def readmit(self, node: Node) -> None:
-        if node.state is not State.DEAD:
-            return
-        node.served()
-        node.state, node.reason = State.SERVING, None
-        log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
         self._changed()
 
     def stalled(self, node: Node, silent: list[Binding], seconds: float, hold: float) -> None:

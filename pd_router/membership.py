@@ -5,8 +5,8 @@ The admin API adds, drains and removes nodes through a ``Membership``, chosen at
 today's behaviour); ``shared_fleet.SharedFleet`` writes the change to Redis, and every
 router applies it. What a router does with the shared fleet's records is decided here, with
 no I/O (``apply``): the records are the truth for membership and admin states, the shared
-verdicts for life and death; everything else (unhealthy, stalled, the failure streaks)
-stays each router's own.
+verdicts (dead, unhealthy, back) for health; a stall and the failure streaks stay each
+router's own.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Membership(Protocol):
     async def in_flight(self) -> dict[str, dict[int, int]] | None:
         """Requests in flight per router, per node id; None: there is only this router."""
 
+    def may_probe(self) -> bool:
+        """This router probes the engines now (with ``--state``, one router does)."""
+
     def background(self) -> Background:
         """Work that lives as long as the app (named, for its supervisor)."""
 
@@ -60,6 +63,9 @@ class LocalMembership:
 
     async def in_flight(self) -> dict[str, dict[int, int]] | None:
         return None
+
+    def may_probe(self) -> bool:
+        return True
 
     def background(self) -> Background:
         return []
@@ -99,24 +105,32 @@ class Record:
 
 @dataclass(frozen=True)
 class Verdict:
-    """A router's finding on a node's life (``{pdr}:health``): dead, or back."""
+    """A router's finding on a node's health (``{pdr}:health``): dead, unhealthy, or back."""
 
-    dead: bool
+    state: State
     reason: str | None
     message: str
     router: str
 
     def body(self) -> bytes:
         return orjson.dumps(
-            {"dead": self.dead, "reason": self.reason, "message": self.message, "by": self.router}
+            {
+                "state": self.state.value,
+                "reason": self.reason,
+                "message": self.message,
+                "by": self.router,
+            }
         )
 
     @classmethod
     def parse(cls, body: bytes) -> Verdict:
         document: dict[str, Any] = orjson.loads(body)
+        state = State(document["state"])
+        if state not in (State.DEAD, State.UNHEALTHY, State.SERVING):
+            raise ValueError(f"not a verdict: {state.value}")
         reason = document.get("reason")
         return cls(
-            bool(document["dead"]),
+            state,
             None if reason is None else str(reason),
             str(document.get("message", "")),
             str(document.get("by", "")),
@@ -124,8 +138,7 @@ class Verdict:
 
     @classmethod
     def of(cls, node: Node, router: str) -> Verdict:
-        dead = node.state is State.DEAD
-        return cls(dead, node.reason, (node.last_error or "") if dead else "", router)
+        return cls(node.state, node.reason, node.last_error or "", router)
 
 
 def apply(
@@ -159,10 +172,7 @@ def apply(
             node.labels = dict(record.labels)
         verdict = verdicts.get(record.id)
         if verdict is not None and node not in own:
-            if verdict.dead:
-                fleet.declare_dead(node, verdict.reason, _found_by(verdict))
-            else:
-                fleet.readmit(node)
+            fleet.told(node, verdict.state, verdict.reason, _found_by(verdict))
         if record.admin == "draining":
             fleet.drain(node)
         elif node.state is State.DRAINING:

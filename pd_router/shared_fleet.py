@@ -9,8 +9,12 @@
 * Changes. Add, drain and remove go to Redis in one script that also publishes on
   ``{pdr}:fleet``; every router reloads the fleet on hearing it, and every ``RECONCILE``
   seconds anyway (a message lost while its subscription was down).
-* Life and death. A death or a readmission found here is written to ``{pdr}:health`` and
-  published the same way; until Redis has it, the local verdict stands over the stored one.
+* Health. A death, an unhealthy verdict or a readmission found here is written to
+  ``{pdr}:health`` and published the same way; until Redis has it, the local verdict
+  stands over the stored one. A stall stays this router's (its own streams).
+* Probing. One router probes the engines for the fleet (``{pdr}:prober``, a lease renewed
+  every third of ``LEASE``); the others take its verdicts. While Redis is away each router
+  probes for itself.
 * Requests in flight per node are written every second they change (and every third of
   the lease) under a key that expires with the router's lease: ``in_flight`` reads every
   live router's.
@@ -51,10 +55,14 @@ _VERDICT = Script(scripts.VERDICT)
 _SNAPSHOT = Script(scripts.SNAPSHOT)
 _PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
 _IN_FLIGHT = Script(scripts.IN_FLIGHT)
+_PROBER = Script(scripts.PROBER)
+_PROBING = {True: "probes the engines for the fleet", False: "leaves probing to another router"}
 
 
 class SharedFleet:
-    def __init__(self, fleet: Fleet, pool: SharedPool) -> None:
+    def __init__(self, fleet: Fleet, pool: SharedPool, probes: bool = True) -> None:
+        """``probes``: this router probes the engines (``--health-interval`` > 0), so it
+        may be the fleet's prober."""
         self.fleet = fleet
         self.pool = pool
         self.redis = pool.redis
@@ -68,6 +76,9 @@ class SharedFleet:
         self._unsent: dict[Node, Verdict] = {}
         # Created on first use: an anyio lock needs a running loop.
         self._lock: anyio.Lock | None = None
+        self.probes = probes
+        # Holds the prober lease (or cannot tell, Redis being away: then it probes).
+        self._prober = False
         self._published: dict[int, int] | None = None
         self._published_at = -math.inf
         verdicts: tuple[MemoryObjectSendStream[Node], MemoryObjectReceiveStream[Node]]
@@ -123,13 +134,19 @@ class SharedFleet:
         by_router[self.router_id] = self._own_counts()
         return by_router
 
+    def may_probe(self) -> bool:
+        return self._prober
+
     def background(self) -> Background:
-        return [
+        work: Background = [
             ("the shared fleet's changes", self._listen_forever),
             ("the shared fleet's reconciliation", self._reconcile_forever),
             ("the shared fleet's verdicts", self._send_verdicts),
             ("the shared fleet's requests in flight", self._publish_in_flight),
         ]
+        if self.probes:
+            work.append(("the shared fleet's prober lease", self._prober_lease))
+        return work
 
     # ------------------------------------------------------------------ registration, reload
 
@@ -257,6 +274,21 @@ class SharedFleet:
         async with self._locked():
             if self._configured is None:  # else the pool's registration adopts first
                 await self._sync()
+
+    async def _prober_lease(self) -> None:
+        """Be the fleet's prober while no other router is: one set of probes per fleet,
+        whatever the number of routers and workers. The others hear its verdicts. When it
+        stops renewing, another takes over within the lease and a third of it."""
+        ms = str(int(self.pool.lease * 1000))
+        while True:
+            try:
+                prober = bool(await self._run(_PROBER, [self.router_id, ms]))
+            except StateUnavailable:
+                prober = True  # its verdicts reach nobody now: it judges for itself
+            if prober != self._prober:
+                log.info("router %s %s", self.router_id, _PROBING[prober])
+            self._prober = prober
+            await anyio.sleep(self.pool.lease / 3)
 
     async def _publish_in_flight(self) -> None:
         ms = str(int(self.pool.lease * 1000))

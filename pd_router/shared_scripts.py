@@ -195,6 +195,7 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
 #   lease (rewritten while it lives)
+# * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
 # * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
 
 # ARGV: "set" (an operator's add: the record and "serving" are written) or "adopt" (a
@@ -268,6 +269,14 @@ for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
   out[#out + 1] = redis.call('HGETALL', P .. 'in-flight:' .. router)
 end
 return out
+"""
+
+# ARGV: router, ms -> 1 if the router is (still, or now) the prober for that long, else 0
+PROBER = _COMMON + """
+local holder = redis.call('GET', P .. 'prober')
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', P .. 'prober', ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 FLEET_CHANNEL = "{pdr}:fleet"

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.anyio
 P = Record(0, "prefill", "http://p0", 1)
 D1 = Record(1, "decode", "http://d1", 4, {"zone": "a"})
 D2 = Record(2, "decode", "http://d2", 4)
-DEAD = Verdict(True, "unreachable", "connection refused", "r-other")
-BACK = Verdict(False, None, "", "r-other")
+DEAD = Verdict(State.DEAD, "unreachable", "connection refused", "r-other")
+SLOW = Verdict(State.UNHEALTHY, "probe timeout", "no answer within 1 s", "r-other")
+BACK = Verdict(State.SERVING, None, "", "r-other")
 
 
 def fleet_of(*records: Record) -> Fleet:
@@ -71,6 +72,24 @@ def test_a_death_found_elsewhere_fails_only_this_routers_requests_on_it_once() -
     assert fleet.serving_view() == [0, 2]
     apply(fleet, records, {1: BACK})
     assert d1.state is State.SERVING and fleet.serving_view() == [0, 1, 2]
+    with fleet.bind(on_d1, d1):
+        apply(fleet, records, {1: SLOW})
+    assert d1.state is State.UNHEALTHY and len(on_d1.errors) == 1, "unhealthy fails nothing"
+    apply(fleet, records, {1: BACK})
+    assert d1.state is State.SERVING
+
+
+def test_a_readmission_found_elsewhere_waits_for_a_stall_hold_found_here() -> None:
+    now = [100.0]
+    fleet = Fleet([], [], clock=lambda: now[0])
+    apply(fleet, {1: D1}, {})
+    d1 = fleet.pool.nodes[0]
+    fleet.stalled(d1, [], 30, hold=30)
+    apply(fleet, {1: D1}, {1: BACK})
+    assert d1.state is State.UNHEALTHY
+    now[0] += 30
+    apply(fleet, {1: D1}, {1: BACK})
+    assert d1.state is State.SERVING
 
 
 def test_a_verdict_found_here_and_not_yet_in_redis_stands_over_the_stored_one() -> None:
@@ -102,9 +121,12 @@ def test_the_fleet_tells_of_its_own_verdicts_only() -> None:
     fleet.failed(d1, Failure("unreachable", "refused", Evidence.FATAL))
     fleet.probed(d1)
     fleet.probed(d1)
+    for _ in range(3):
+        fleet.failed(d2, Failure("probe timeout", "slow", Evidence.SOFT))
+    fleet.stalled(d1, [], 30, hold=0)
     apply(fleet, {0: P, 1: D1, 2: D2}, {2: DEAD})
     apply(fleet, {0: P, 1: D1, 2: D2}, {2: BACK})
-    assert told == [(1, State.DEAD), (1, State.SERVING)]
+    assert told == [(1, State.DEAD), (1, State.SERVING), (2, State.UNHEALTHY)]
 
 
 def test_records_and_verdicts_read_back_as_written() -> None:

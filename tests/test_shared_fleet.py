@@ -39,7 +39,10 @@ async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
 
 @asynccontextmanager
 async def router(
-    server: RedisServer, prefill: Sequence[str] = (P0,), decode: Sequence[str] = (D0, D1)
+    server: RedisServer,
+    prefill: Sequence[str] = (P0,),
+    decode: Sequence[str] = (D0, D1),
+    lease: float = 10.0,
 ) -> AsyncIterator[SharedFleet]:
     """One router's fleet with its shared pool and shared fleet, background work running."""
     first = make_nodes(prefill, 1, role="prefill")
@@ -48,7 +51,7 @@ async def router(
         first,
         make_nodes(decode, 2, first_id=len(first)),
         HealthPolicy(unhealthy_after=3, healthy_after=2),
-        pool=lambda nodes: SharedPool(nodes, client),
+        pool=lambda nodes: SharedPool(nodes, client, lease),
     )
     assert isinstance(fleet.pool, SharedPool)
     shared = SharedFleet(fleet, fleet.pool)
@@ -184,3 +187,17 @@ async def test_redis_away_leaves_the_local_fleet_and_admin_changes_get_a_clear_e
             server.start()
             async with router(server) as b:
                 await until(lambda: state(b, D0) is State.DEAD, 3.0)
+
+
+async def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_stops(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    # A router that died holding the prober lease: it lapses within a second.
+    await redis.call("SET", "{pdr}:prober", "dead-router", "PX", "1000")
+    async with router(redis_server, lease=1.0) as a:
+        assert not a.may_probe()
+        took = await until(a.may_probe, 3.0)
+        assert 0.3 < took < 1.0 + 1.0 / 3 + 0.3
+        async with router(redis_server, lease=1.0) as b:
+            await anyio.sleep(1.0)
+            assert a.may_probe() and not b.may_probe(), "one prober for the fleet"

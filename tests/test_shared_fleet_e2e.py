@@ -173,3 +173,28 @@ def test_every_router_shows_every_routers_requests_per_node(engines: SimFleet, s
             stream.join(60)
             assert stream.completed()
         wait_for(lambda: counts() == [0, 0, 0], what="all done, everywhere")
+
+
+def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_dies(
+    engines: SimFleet, state: str
+) -> None:
+    slow = engines.decode[1]
+    probing = "probes the engines for the fleet"
+    with routers(engines, state, PROBING, PROBING, PROBING) as rs:
+        wait_for(lambda: sum(probing in r.log() for r in rs) == 1, what="one prober")
+        time.sleep(1.0)
+        (prober,) = (r for r in rs if probing in r.log())
+        others = [r for r in rs if r is not prober]
+        assert all(probing not in r.log() for r in others), "one prober, however many routers"
+        slow.configure(health_delay=2.0)  # its probes time out: unhealthy, for every router
+        try:
+            seen_within(rs, lambda f: f[slow.url][1] == "unhealthy", 10, "unhealthy everywhere")
+        finally:
+            slow.configure(health_delay=0.0)
+        seen_within(rs, lambda f: f[slow.url][1] == "serving", 10, "readmitted everywhere")
+        prober.kill()
+        killed = time.monotonic()
+        wait_for(lambda: any(probing in r.log() for r in others), timeout=20, what="a new prober")
+        took = time.monotonic() - killed
+        print(f"a new prober took over {took:.1f} s after the last one was killed")
+        assert took < 10 + 10 / 3 + 1
