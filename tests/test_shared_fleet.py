@@ -27,16 +27,6 @@ P0, D0, D1, D2 = "http://p0:1", "http://d0:1", "http://d1:1", "http://d2:1"
 REFUSED = Failure("unreachable", "connection refused", Evidence.FATAL)
 
 
-@pytest.fixture
-async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis(parse_url(redis_server.url), timeout=1.0)
-    await client.call("FLUSHALL")
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 @asynccontextmanager
 async def router(
     server: RedisServer,
