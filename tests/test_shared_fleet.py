@@ -33,13 +33,14 @@ async def router(
     prefill: Sequence[str] = (P0,),
     decode: Sequence[str] = (D0, D1),
     lease: float = 10.0,
+    slots: int = 2,
 ) -> AsyncIterator[SharedFleet]:
     """One router's fleet with its shared pool and shared fleet, background work running."""
     first = make_nodes(prefill, 1, role="prefill")
     client = Redis(parse_url(server.url), timeout=1.0)
     fleet = Fleet(
         first,
-        make_nodes(decode, 2, first_id=len(first)),
+        make_nodes(decode, slots, first_id=len(first)),
         HealthPolicy(unhealthy_after=3, healthy_after=2),
         pool=lambda nodes: SharedPool(nodes, client, lease),
     )
@@ -98,6 +99,22 @@ async def test_every_router_gives_a_url_the_same_id_and_a_restart_keeps_them(
         assert ids(c) == {P0: 0, D0: 1, D2: 3, "http://d9:1": 4}, "d1 stays removed"
         d9 = c.fleet.node(4)
         assert d9 is not None and d9.slots == 3 and d9.labels == {"zone": "x"}
+
+
+async def test_the_slot_pool_counts_the_fleets_slots_whatever_a_routers_flags_say(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async def slots_in_redis() -> int:
+        return int(await redis.call("HGET", "{pdr}:slots", D0))
+
+    async with router(redis_server, slots=2) as a, router(redis_server, slots=8) as b:
+        assert [n.slots for n in b.fleet.pool.nodes] == [2, 2], "the fleet's, not b's flags"
+        await b.pool._renew()
+        assert await slots_in_redis() == 2
+        await b.add(D0, "decode", 4, {})  # an operator changes them, for every router
+        await until(lambda: [n.slots for n in a.fleet.pool.nodes] == [4, 2], 1.0)
+        await a.pool._renew()
+        assert await slots_in_redis() == 4
 
 
 async def test_a_node_found_dead_is_dead_everywhere_and_each_router_fails_only_its_own(

@@ -198,3 +198,34 @@ def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_dies(
         took = time.monotonic() - killed
         print(f"a new prober took over {took:.1f} s after the last one was killed")
         assert took < 10 + 10 / 3 + 1
+
+
+def test_redis_away_keeps_each_routers_fleet_and_on_return_the_fleet_is_put_back(
+    engines: SimFleet,
+) -> None:
+    d1 = engines.decode[1].url
+    flags = ("--decode-slots", "8", *DEAF)
+    with RedisServer() as server, routers(engines, server.url, flags, flags) as (a, b):
+        d1_id = fleet_of(a)[d1][0]
+        assert admin(a, "POST", f"/nodes/{d1_id}/drain").status_code == 202
+        seen_within([b], lambda f: f[d1][1] == "draining", 2, "drained on b")
+        before = fleet_of(b)
+        stream = Stream(b, "through the outage", 60, "outage")
+        stream.start()
+        wait_for(lambda: admin(b, "GET", "/nodes").json()["in_flight"] == 1, what="in flight")
+        server.kill()
+        assert fleet_of(a) == fleet_of(b) == before, "each router's fleet as it was"
+        refused = admin(a, "POST", f"/nodes/{d1_id}/drain")
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shared_state_unavailable"
+        stream.join(30)
+        assert stream.completed(), stream.events
+        server.start()  # empty: the routers put the fleet back, under the same ids
+        wait_for(lambda: httpx.get(f"{a.url}/health").status_code == 200, timeout=15, what="up")
+        added = admin(b, "POST", "/nodes", json={"url": "http://127.0.0.1:9", "role": "decode"})
+        assert (
+            added.status_code == 201
+            and added.json()["id"] == max(i for i, _ in before.values()) + 1
+        )
+        seen_within([a], lambda f: f == fleet_of(b), 2, "one fleet again")
+        assert {url: v for url, v in fleet_of(a).items() if url in before} == before
