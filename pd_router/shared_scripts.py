@@ -198,9 +198,9 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
 # * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
 
-# ARGV: "set" (an operator's add: the record and "serving" are written) or "adopt" (a
-# router's configured nodes: written only if new), the router, then per node
-# (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
+# ARGV: "set" (an operator's add: the record and "serving" are written, the verdict
+# dropped) or "adopt" (a router's configured nodes: written only if new), the router, then
+# per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
 # A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
 NODES = _COMMON + """
 local router, ids, changed = ARGV[2], {}, false
@@ -225,6 +225,8 @@ for i = 3, #ARGV, 5 do
     redis.call('HSET', P .. 'admin', id, ARGV[i + 3])
     changed = true
   end
+  -- An operator's add starts the node afresh: an old verdict on it is the prober's to renew.
+  if ARGV[1] == 'set' then redis.call('HDEL', P .. 'health', id) end
   ids[#ids + 1] = tonumber(id)
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end

@@ -137,6 +137,12 @@ async def test_a_node_found_dead_is_dead_everywhere_and_each_router_fails_only_i
         for _ in range(2):
             b.fleet.probed(b_d0)
         await until(lambda: a_d0.state is State.SERVING, 1.0)
+        a.fleet.failed(a_d0, REFUSED)
+        await until(lambda: b_d0.state is State.DEAD, 1.0)
+        await b.drain(b_d0)
+        await b.remove(b_d0, False)
+        added = await a.add(D0, "decode", 2, {})
+        assert added.id == 1 and added.state is State.SERVING, "added again: afresh"
     assert took < 1.0
     async with router(redis_server) as c:
         assert state(c, D0) is State.SERVING
