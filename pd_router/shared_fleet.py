@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ _SNAPSHOT = Script(scripts.SNAPSHOT)
 _PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
 _IN_FLIGHT = Script(scripts.IN_FLIGHT)
 _PROBER = Script(scripts.PROBER)
+_UNPROBE = Script(scripts.UNPROBE)
 _PROBING = {True: "probes the engines for the fleet", False: "leaves probing to another router"}
 
 
@@ -277,18 +279,25 @@ class SharedFleet:
 
     async def _prober_lease(self) -> None:
         """Be the fleet's prober while no other router is: one set of probes per fleet,
-        whatever the number of routers and workers. The others hear its verdicts. When it
-        stops renewing, another takes over within the lease and a third of it."""
+        whatever the number of routers and workers. The others hear its verdicts. A router
+        stopping gives the lease up, so that another takes over within a third of the
+        lease; one that dies keeps it until it lapses."""
         ms = str(int(self.pool.lease * 1000))
-        while True:
-            try:
-                prober = bool(await self._run(_PROBER, [self.router_id, ms]))
-            except StateUnavailable:
-                prober = True  # its verdicts reach nobody now: it judges for itself
-            if prober != self._prober:
-                log.info("router %s %s", self.router_id, _PROBING[prober])
-            self._prober = prober
-            await anyio.sleep(self.pool.lease / 3)
+        try:
+            while True:
+                try:
+                    prober = bool(await self._run(_PROBER, [self.router_id, ms]))
+                except StateUnavailable:
+                    prober = True  # its verdicts reach nobody now: it judges for itself
+                if prober != self._prober:
+                    log.info("router %s %s", self.router_id, _PROBING[prober])
+                self._prober = prober
+                await anyio.sleep(self.pool.lease / 3)
+        finally:
+            if self._prober:
+                self._prober = False
+                with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
+                    await self._run(_UNPROBE, [self.router_id])
 
     async def _publish_in_flight(self) -> None:
         ms = str(int(self.pool.lease * 1000))

@@ -281,4 +281,10 @@ redis.call('SET', P .. 'prober', ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# ARGV: router -> the prober lease given up, if the router held it (a router stopping)
+UNPROBE = _COMMON + """
+if redis.call('GET', P .. 'prober') == ARGV[1] then redis.call('DEL', P .. 'prober') end
+return 1
+"""
+
 FLEET_CHANNEL = "{pdr}:fleet"

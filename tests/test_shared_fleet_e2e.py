@@ -198,6 +198,14 @@ def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_dies(
         took = time.monotonic() - killed
         print(f"a new prober took over {took:.1f} s after the last one was killed")
         assert took < 10 + 10 / 3 + 1
+        (second,) = (r for r in others if probing in r.log())
+        (third,) = (r for r in others if r is not second)
+        assert second.stop() == 0  # SIGTERM: it gives the lease up as it stops
+        stopped = time.monotonic()
+        wait_for(lambda: probing in third.log(), timeout=10, what="the third router probing")
+        took = time.monotonic() - stopped
+        print(f"a new prober took over {took:.1f} s after the last one stopped")
+        assert took < 10 / 3 + 1
 
 
 def test_redis_away_keeps_each_routers_fleet_and_on_return_the_fleet_is_put_back(
