@@ -99,8 +99,8 @@ class Record:
         return cls(node_id, role, url, slots, labels, state)
 
     @classmethod
-    def of(cls, node: Node, admin: Admin = "serving") -> Record:
-        return cls(node.id, node.role, node.url, node.slots, dict(node.labels), admin)
+    def of(cls, node: Node) -> Record:
+        return cls(node.id, node.role, node.url, node.slots, dict(node.labels))
 
 
 @dataclass(frozen=True)

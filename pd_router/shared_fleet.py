@@ -71,6 +71,8 @@ class SharedFleet:
         self.router_id = pool.router_id
         # This router's configured nodes and slots, until they have the fleet's ids.
         self._configured: list[tuple[Node, int]] | None = [(n, n.slots) for n in fleet.nodes]
+        # Those, once adopted, until the next reload compares their slots with the fleet's.
+        self._flagged: list[tuple[Node, int]] = []
         # The fleet as last read from Redis: what is put back if Redis loses it.
         self.records: dict[int, Record] = {}
         # Verdicts found here that Redis has not taken yet (by node: a node found dead
@@ -92,7 +94,7 @@ class SharedFleet:
     # ------------------------------------------------------------------ Membership
 
     async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
-        body = Record(-1, role, url, slots, labels).body().decode()
+        body = Record(-1, role, url, slots, labels).body().decode()  # its id is Redis's to give
         async with self._locked():
             await self._adopt()
             args = ["set", self.router_id, role, url, body, "serving", ""]
@@ -155,16 +157,8 @@ class SharedFleet:
     async def register(self) -> None:
         """Before the pool registers: this router's nodes get their ids, the fleet is read."""
         async with self._locked():
-            configured = self._configured
             await self._adopt()
             await self._sync()
-        for node, slots in configured or ():
-            if node.slots != slots and node in self.fleet.nodes:
-                log.warning(
-                    "%s node %s (%s): the shared fleet has %d slots, this router's flags %d; "
-                    "the fleet's hold (POST /admin/nodes changes them)",
-                    node.role, node.id, node.url, node.slots, slots,
-                )  # fmt: skip
 
     async def _adopt(self) -> None:
         if self._configured is None:
@@ -181,7 +175,7 @@ class SharedFleet:
             else:
                 node.id = int(node_id)
                 seen.add(node.id)
-        self._configured = None
+        self._flagged, self._configured = self._configured, None
 
     async def _put_back(self, missing: list[Record]) -> None:
         """Redis lost these nodes (it restarted empty): write them back, under their ids
@@ -202,6 +196,14 @@ class SharedFleet:
             records, verdicts = await self._read()
         self.records = records
         apply(self.fleet, records, verdicts, self._unsent)
+        flagged, self._flagged = self._flagged, []
+        for node, slots in flagged:
+            if node.slots != slots and node in self.fleet.nodes:
+                log.warning(
+                    "%s node %s (%s): the shared fleet has %d slots, this router's flags %d; "
+                    "the fleet's hold (POST /admin/nodes changes them)",
+                    node.role, node.id, node.url, node.slots, slots,
+                )  # fmt: skip
 
     async def _read(self) -> tuple[dict[int, Record], dict[int, Verdict]]:
         nodes, admin, health = await self._run(_SNAPSHOT, [])

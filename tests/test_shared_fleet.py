@@ -102,13 +102,14 @@ async def test_every_router_gives_a_url_the_same_id_and_a_restart_keeps_them(
 
 
 async def test_the_slot_pool_counts_the_fleets_slots_whatever_a_routers_flags_say(
-    redis_server: RedisServer, redis: Redis
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def slots_in_redis() -> int:
         return int(await redis.call("HGET", "{pdr}:slots", D0))
 
     async with router(redis_server, slots=2) as a, router(redis_server, slots=8) as b:
         assert [n.slots for n in b.fleet.pool.nodes] == [2, 2], "the fleet's, not b's flags"
+        assert "the shared fleet has 2 slots, this router's flags 8" in caplog.text
         await b.pool._renew()
         assert await slots_in_redis() == 2
         await b.add(D0, "decode", 4, {})  # an operator changes them, for every router
@@ -210,7 +211,7 @@ async def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_st
     async with router(redis_server, lease=1.0) as a:
         assert not a.may_probe()
         took = await until(a.may_probe, 3.0)
-        assert 0.3 < took < 1.0 + 1.0 / 3 + 0.3
+        assert took > 0.3, "not before the dead router's lease lapsed"
         async with router(redis_server, lease=1.0) as b:
             await anyio.sleep(1.0)
             assert a.may_probe() and not b.may_probe(), "one prober for the fleet"
