@@ -116,6 +116,8 @@ def admin_routes(
                 view["in_flight_by_router"] = counts
                 view["fleet_in_flight"] = sum(counts.values())
             document["routers"] = {r: sum(c.values()) for r, c in sorted(by_router.items())}
+            if not fleet.pool.available:
+                document["shared_state"] = "unavailable"  # so the others are not in it
         return _json(document)
 
     async def add_node(request: Request) -> Response:

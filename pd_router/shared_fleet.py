@@ -129,10 +129,10 @@ class SharedFleet:
         """Every live router's requests per node; this router's own as they are now (only
         those while Redis is away)."""
         by_router: dict[str, dict[int, int]] = {}
-        try:
-            reply = await self._run(_IN_FLIGHT, [])
-        except StateUnavailable:
-            reply = []
+        reply = []
+        if self.pool.available:  # else not even a timeout's wait
+            with contextlib.suppress(StateUnavailable):
+                reply = await self._run(_IN_FLIGHT, [])
         for router, pairs in zip(reply[::2], reply[1::2]):
             by_router[router.decode()] = _counts(pairs)
         by_router[self.router_id] = self._own_counts()

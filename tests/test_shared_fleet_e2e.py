@@ -223,6 +223,10 @@ def test_redis_away_keeps_each_routers_fleet_and_on_return_the_fleet_is_put_back
         wait_for(lambda: admin(b, "GET", "/nodes").json()["in_flight"] == 1, what="in flight")
         server.kill()
         assert fleet_of(a) == fleet_of(b) == before, "each router's fleet as it was"
+        wait_for(
+            lambda: admin(a, "GET", "/nodes").json().get("shared_state") == "unavailable",
+            what="shared_state unavailable in /admin/nodes",
+        )
         refused = admin(a, "POST", f"/nodes/{d1_id}/drain")
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shared_state_unavailable"
