@@ -81,6 +81,13 @@ class Record:
     slots: int
     labels: Mapping[str, str] = field(default_factory=dict)
     admin: Admin = "serving"
+    # Removed with ``?force=true``: what still runs on it is failed, on every router.
+    forced: bool = False
+
+    @property
+    def admin_value(self) -> str:
+        """What ``{pdr}:admin`` holds for it."""
+        return "removed forced" if self.forced else self.admin
 
     def body(self) -> bytes:
         """What ``{pdr}:nodes`` holds for it (the id is the field, the admin state apart)."""
@@ -91,12 +98,12 @@ class Record:
     def parse(cls, node_id: int, body: bytes, admin: bytes | None) -> Record:
         document: dict[str, Any] = orjson.loads(body)
         role = document["role"]
-        state = (admin or b"serving").decode()
+        state, _, how = (admin or b"serving").decode().partition(" ")
         if role not in ("prefill", "decode") or state not in ADMIN_STATES:
             raise ValueError(f"node {node_id}: role {role!r}, admin state {state!r}")
         labels = {str(k): str(v) for k, v in (document.get("labels") or {}).items()}
         slots, url = int(document["slots"]), str(document["url"])
-        return cls(node_id, role, url, slots, labels, state)
+        return cls(node_id, role, url, slots, labels, state, how == "forced")
 
     @classmethod
     def of(cls, node: Node) -> Record:
@@ -157,10 +164,13 @@ def apply(
     for record in sorted(records.values(), key=lambda record: record.id):
         node = by_key.get((record.role, record.url))
         if record.admin == "removed":
-            if node is not None:
-                # Removed through another router, which checked it drained and idle there;
-                # what still runs here on it is failed, once, as a forced removal does.
-                fleet.remove(node, force=True)
+            if node is not None and (record.forced or not node.bound):
+                fleet.remove(node, force=True)  # a forced removal fails each request once
+            elif node is not None:
+                # The removal was checked against every router's requests, as counted up to
+                # a second ago; one that started here since finishes first, and a later
+                # reload removes the node.
+                fleet.drain(node)
             continue
         if node is None:
             node = fleet.add(

@@ -123,7 +123,7 @@ class SharedFleet:
                 raise ValueError(
                     f"node {node.id} still has {elsewhere} requests in flight on other routers"
                 )
-        await self._set_admin(node, "removed")
+        await self._set_admin(node, "removed forced" if force else "removed")
 
     async def in_flight(self) -> dict[str, dict[int, int]]:
         """Every live router's requests per node; this router's own as they are now (only
@@ -182,7 +182,7 @@ class SharedFleet:
         where nobody took them meanwhile (``apply`` follows any that changed)."""
         args: list[str] = []
         for r in missing:
-            args += [r.role, r.url, r.body().decode(), r.admin, str(r.id)]
+            args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
         await self._run(_NODES, ["adopt", self.router_id, *args])
         log.warning("the shared state had lost %d nodes of the fleet: put back", len(missing))
 

@@ -191,7 +191,7 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:node-ids``  hash: "role url" -> node id, never deleted: a URL keeps its id
 # * ``{pdr}:next-id``   counter: the next id to give (ids are never given twice)
 # * ``{pdr}:nodes``     hash: node id -> JSON {role, url, slots, labels}
-# * ``{pdr}:admin``     hash: node id -> serving | draining | removed
+# * ``{pdr}:admin``     hash: node id -> serving | draining | removed | removed forced
 # * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
 #   lease (rewritten while it lives)
@@ -233,7 +233,7 @@ if changed then redis.call('PUBLISH', P .. 'fleet', router) end
 return ids
 """
 
-# ARGV: router, node id, draining | removed -> 1, or 0 when no such node
+# ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node
 ADMIN = _COMMON + """
 if redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then return 0 end
 redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])

@@ -44,17 +44,27 @@ def test_records_become_nodes_under_their_ids_and_follow_changes() -> None:
     assert fleet.add("http://new", "decode", 1).id == 8, "a local id never takes a shared one"
 
 
-def test_a_removal_made_elsewhere_fails_what_still_runs_here_once() -> None:
+def test_a_removal_made_elsewhere_fails_what_still_runs_here_only_if_forced() -> None:
     fleet = fleet_of(P, D1, D2)
     d1 = fleet.node(1)
     assert d1 is not None
-    here, other = Request("here"), Request("other")
+    late, other = Request("started-here-since"), Request("other")
+    removed = {0: P, 1: Record(1, "decode", "http://d1", 4, {}, "removed"), 2: D2}
+    with fleet.bind(late, d1):
+        apply(fleet, removed, {})
+        assert d1.state is State.DRAINING and fleet.node(1) is d1, "it finishes first"
+    apply(fleet, removed, {})
+    assert fleet.node(1) is None and late.errors == []
+    fleet = fleet_of(P, D1, D2)
+    d1 = fleet.node(1)
+    assert d1 is not None
+    here = Request("here")
     with fleet.bind(here, d1), fleet.bind(other, fleet.pool.nodes[1]):
-        removed = {0: P, 1: Record(1, "decode", "http://d1", 4, {}, "removed"), 2: D2}
-        apply(fleet, removed, {})
-        apply(fleet, removed, {})
+        forced = {**removed, 1: Record(1, "decode", "http://d1", 4, {}, "removed", True)}
+        apply(fleet, forced, {})
+        apply(fleet, forced, {})
     assert [type(e) for e in here.errors] == [NodeDead] and other.errors == []
-    assert "was removed" in here.errors[0].message
+    assert "was removed" in here.errors[0].message and fleet.node(1) is None
 
 
 def test_a_death_found_elsewhere_fails_only_this_routers_requests_on_it_once() -> None:
@@ -136,6 +146,8 @@ def test_records_and_verdicts_read_back_as_written() -> None:
     assert Verdict.parse(DEAD.body()) == DEAD
     with pytest.raises(ValueError):
         Record.parse(1, D1.body(), b"gone")
+    forced = Record.parse(1, D1.body(), b"removed forced")
+    assert forced.forced and forced.admin == "removed" and forced.admin_value == "removed forced"
     node = Node(id=3, url="http://d3", slots=2, labels={"gpu": "h100"})
     assert Record.of(node) == Record(3, "decode", "http://d3", 2, {"gpu": "h100"})
 

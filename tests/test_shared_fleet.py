@@ -155,7 +155,8 @@ async def test_every_routers_requests_per_node_are_seen_by_each(
     async with router(redis_server) as a, router(redis_server) as b:
         d0 = b.fleet.node(1)
         assert d0 is not None
-        with b.fleet.bind(Request("x"), d0), b.fleet.bind(Request("y"), d0):
+        x, y = Request("x"), Request("y")
+        with b.fleet.bind(x, d0), b.fleet.bind(y, d0):
             await until(lambda: b._published == {1: 2}, 3.0)
             counts = await a.in_flight()
             assert counts[b.router_id] == {1: 2} and counts[a.router_id][1] == 0
@@ -164,6 +165,9 @@ async def test_every_routers_requests_per_node_are_seen_by_each(
             await a.drain(node)
             with pytest.raises(ValueError, match="2 requests in flight on other routers"):
                 await a.remove(node, False)
+            await a.remove(node, True)
+            await until(lambda: b.fleet.node(1) is None, 1.0)
+        assert [len(x.errors), len(y.errors)] == [1, 1], "forced: each failed, once"
 
 
 async def test_a_redis_that_lost_the_fleet_gets_it_back(
