@@ -189,7 +189,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(
                         supervise,
                         "DNS discovery",
-                        partial(_discover, router, router.discovery, options, lag),
+                        partial(_discover, router, router.discovery, membership, options, lag),
                     )
                 for name, work in [*fleet.pool.background(), *membership.background()]:
                     tg.start_soon(supervise, name, work)
@@ -238,7 +238,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
 
 async def _discover(
-    router: Router, discovery: Discovery, options: AppOptions, lag: LoopLag
+    router: Router,
+    discovery: Discovery,
+    membership: Membership,
+    options: AppOptions,
+    lag: LoopLag,
 ) -> None:
     # Lookups give up well before the next round is due, and never wait under a second.
     resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))
@@ -247,7 +251,7 @@ async def _discover(
     async def admit(node: Node) -> None:
         await probe(fleet, router.upstream, node, options.health_timeout, lag)
 
-    await discover_forever(discovery, fleet, resolver.lookup, admit)
+    await discover_forever(discovery, fleet, membership, resolver.lookup, admit)
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

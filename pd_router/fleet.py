@@ -197,7 +197,8 @@ class Fleet:
 
     def told(self, node: Node, state: State, reason: str | None, message: str) -> None:
         """Another router's verdict: dead (its requests here fail), unhealthy, or serving
-        again (not before a stall hold found here ends)."""
+        (again: not before a stall hold found here ends; or a joining node's first good
+        probe, made by another router)."""
         if state is State.DEAD and node.state is not State.DEAD:
             node.state, node.reason, node.last_error = State.DEAD, reason, message
             message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
@@ -208,12 +209,16 @@ class Fleet:
             log.warning("%s node %s (%s) is unhealthy: %s", node.role, node.id, node.url, message)
         elif (
             state is State.SERVING
-            and node.state in (State.DEAD, State.UNHEALTHY)
+            and node.state in (State.DEAD, State.UNHEALTHY, State.JOINING)
             and self.clock() >= node.hold_until
         ):
+            joining = node.state is State.JOINING
             node.served()
             node.state, node.reason = State.SERVING, None
-            log.warning("%s node %s (%s) is back: readmitted", node.role, node.id, node.url)
+            if joining:
+                log.info("%s node %s (%s) answered its first probe: serving", *_named(node))
+            else:
+                log.warning("%s node %s (%s) is back: readmitted", *_named(node))
         else:
             return
         self._changed()

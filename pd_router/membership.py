@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from .discovery import DNS_SOURCE, GONE
 from .fleet import Fleet
 from .nodes import Node, Role, State
 
@@ -45,6 +46,25 @@ class Membership(Protocol):
     def background(self) -> Background:
         """Work that lives as long as the app (named, for its supervisor)."""
 
+    # What DNS discovery changes (``discovery_loop.py``)
+
+    async def discovered(
+        self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
+    ) -> Node | None:
+        """The node for an address a name lists, joining if new (with ``--state``, the
+        fleet's node for that role and URL, whoever found it; None if it was removed
+        meanwhile)."""
+
+    async def gone(self, node: Node) -> None:
+        """The node's address is no longer listed: drain it (not an operator's drain)."""
+
+    async def back(self, node: Node) -> bool:
+        """Its address is listed again: undo ``gone``'s drain; False if it was not that."""
+
+    async def retire(self, node: Node, force: bool) -> None:
+        """Remove a gone node that is idle here, or ``force``: past the drain bound.
+        Raises ``ValueError`` when it must wait (another router still has requests on it)."""
+
 
 class LocalMembership:
     """The fleet of this process only."""
@@ -70,6 +90,20 @@ class LocalMembership:
     def background(self) -> Background:
         return []
 
+    async def discovered(
+        self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
+    ) -> Node:
+        return self.fleet.add(url, role, slots, labels=labels, source=source, joining=True)
+
+    async def gone(self, node: Node) -> None:
+        self.fleet.drain(node, GONE)
+
+    async def back(self, node: Node) -> bool:
+        return self.fleet.rejoin(node, GONE)
+
+    async def retire(self, node: Node, force: bool) -> None:
+        self.fleet.remove(node, force=True)  # idle, or past the bound: nothing to wait for
+
 
 @dataclass(frozen=True)
 class Record:
@@ -83,16 +117,24 @@ class Record:
     admin: Admin = "serving"
     # Removed with ``?force=true``: what still runs on it is failed, on every router.
     forced: bool = False
+    # As ``Node.source``: the same on every router, so that each one's discovery of that
+    # name takes the node as its own.
+    source: str = "static"
+    # Draining because a router's lookup stopped listing it (not an operator's drain): its
+    # return to DNS undoes it.
+    gone: bool = False
 
     @property
     def admin_value(self) -> str:
         """What ``{pdr}:admin`` holds for it."""
-        return "removed forced" if self.forced else self.admin
+        if self.forced:
+            return "removed forced"
+        return "draining gone" if self.gone else self.admin
 
     def body(self) -> bytes:
         """What ``{pdr}:nodes`` holds for it (the id is the field, the admin state apart)."""
         document = {"role": self.role, "url": self.url, "slots": self.slots}
-        return orjson.dumps({**document, "labels": dict(self.labels)})
+        return orjson.dumps({**document, "labels": dict(self.labels), "source": self.source})
 
     @classmethod
     def parse(cls, node_id: int, body: bytes, admin: bytes | None) -> Record:
@@ -103,11 +145,12 @@ class Record:
             raise ValueError(f"node {node_id}: role {role!r}, admin state {state!r}")
         labels = {str(k): str(v) for k, v in (document.get("labels") or {}).items()}
         slots, url = int(document["slots"]), str(document["url"])
-        return cls(node_id, role, url, slots, labels, state, how == "forced")
+        source = str(document.get("source", "static"))
+        return cls(node_id, role, url, slots, labels, state, how == "forced", source, how == "gone")
 
     @classmethod
     def of(cls, node: Node) -> Record:
-        return cls(node.id, node.role, node.url, node.slots, dict(node.labels))
+        return cls(node.id, node.role, node.url, node.slots, dict(node.labels), source=node.source)
 
 
 @dataclass(frozen=True)
@@ -174,18 +217,26 @@ def apply(
             continue
         if node is None:
             node = fleet.add(
-                record.url, record.role, record.slots, labels=dict(record.labels), node_id=record.id
+                record.url,
+                record.role,
+                record.slots,
+                labels=dict(record.labels),
+                source=record.source,
+                # As in one process: a discovered engine serves after a good probe, here
+                # or, told by its verdict, on another router.
+                joining=record.source.startswith(DNS_SOURCE),
+                node_id=record.id,
             )
         else:
             node.id = record.id
             fleet.resize(node, record.slots)
-            node.labels = dict(record.labels)
+            node.labels, node.source = dict(record.labels), record.source
         verdict = verdicts.get(record.id)
         if verdict is not None and node not in own:
             fleet.told(node, verdict.state, verdict.reason, _found_by(verdict))
         if record.admin == "draining":
-            fleet.drain(node)
-        elif node.state is State.DRAINING:
+            fleet.drain(node, GONE if record.gone else "drained")
+        elif node.state is State.DRAINING and not fleet.rejoin(node, GONE):
             fleet.undrain(node)
 
 

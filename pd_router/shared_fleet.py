@@ -9,6 +9,10 @@
 * Changes. Add, drain and remove go to Redis in one script that also publishes on
   ``{pdr}:fleet``; every router reloads the fleet on hearing it, and every ``RECONCILE``
   seconds anyway (a message lost while its subscription was down).
+* DNS discovery. An address a router's lookup lists is registered like an operator's add
+  but without overwriting a known node (``discover``); a router whose own lookups lost it
+  drains it as ``draining gone`` (only a serving node), undoes only that drain, and
+  removes the node with the admin removal's checks (README: discovery, several routers).
 * Health. A death, an unhealthy verdict or a readmission found here is written to
   ``{pdr}:health`` and published the same way; until Redis has it, the local verdict
   stands over the stored one. A stall stays this router's (its own streams).
@@ -35,6 +39,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import shared_scripts as scripts
+from .discovery import GONE
 from .errors import StateUnavailable
 from .fleet import Fleet
 from .membership import Background, Record, Verdict, apply
@@ -52,6 +57,7 @@ RETRY = 0.5
 
 _NODES = Script(scripts.NODES)
 _ADMIN = Script(scripts.ADMIN)
+_DNS_ADMIN = Script(scripts.DNS_ADMIN)
 _VERDICT = Script(scripts.VERDICT)
 _SNAPSHOT = Script(scripts.SNAPSHOT)
 _PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
@@ -94,15 +100,9 @@ class SharedFleet:
     # ------------------------------------------------------------------ Membership
 
     async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
-        body = Record(-1, role, url, slots, labels).body().decode()  # its id is Redis's to give
-        async with self._locked():
-            await self._adopt()
-            args = ["set", self.router_id, role, url, body, "serving", ""]
-            (node_id,) = await self._run(_NODES, args)
-            await self._sync()
-        node = self.fleet.node(node_id)
+        node = await self._register("set", Record(-1, role, url, slots, labels, source="admin"))
         if node is None:  # removed by another router in the meantime
-            raise ValueError(f"node {node_id} ({url}) was removed meanwhile")
+            raise ValueError(f"{role} node {url} was removed meanwhile")
         return node
 
     async def drain(self, node: Node) -> None:
@@ -140,6 +140,24 @@ class SharedFleet:
 
     def may_probe(self) -> bool:
         return self._prober
+
+    # ------------------------------------------------------------------ DNS discovery
+
+    async def discovered(
+        self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
+    ) -> Node | None:
+        """Registered if new (or removed): every router discovering the address agrees on
+        its id; a known node is left as the fleet has it."""
+        return await self._register("discover", Record(-1, role, url, slots, labels, source=source))
+
+    async def gone(self, node: Node) -> None:
+        await self._dns_admin(node, "serving", "draining gone")
+
+    async def back(self, node: Node) -> bool:
+        return await self._dns_admin(node, "draining gone", "serving")
+
+    async def retire(self, node: Node, force: bool) -> None:
+        await self.remove(node, force)
 
     def background(self) -> Background:
         work: Background = [
@@ -222,6 +240,23 @@ class SharedFleet:
                 log.error("shared fleet: verdict on node %s unreadable: %r", key, exc)
         return records, verdicts
 
+    async def _register(self, how: str, record: Record) -> Node | None:
+        """``record`` (its id is Redis's to give) written as ``how`` says (``NODES``)."""
+        body = record.body().decode()
+        async with self._locked():
+            await self._adopt()
+            args = [how, self.router_id, record.role, record.url, body, "serving", ""]
+            (node_id,) = await self._run(_NODES, args)
+            await self._sync()
+        return self.fleet.node(node_id)
+
+    async def _dns_admin(self, node: Node, expected: str, state: str) -> bool:
+        async with self._locked():
+            await self._adopt()
+            changed = await self._run(_DNS_ADMIN, [self.router_id, str(node.id), expected, state])
+            await self._sync()
+        return bool(changed)
+
     async def _set_admin(self, node: Node, state: str) -> None:
         async with self._locked():
             await self._adopt()
@@ -237,7 +272,8 @@ class SharedFleet:
         self._found.send_nowait(node)
         record = self.records.get(node.id)
         if record is not None and record.admin == "draining":
-            self.fleet.drain(node)  # back from the dead, still drained by an operator
+            # Back from the dead, still drained (by an operator, or for DNS).
+            self.fleet.drain(node, GONE if record.gone else "drained")
 
     async def _send_verdicts(self) -> None:
         async for node in self._to_send:

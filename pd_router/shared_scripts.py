@@ -191,7 +191,8 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:node-ids``  hash: "role url" -> node id, never deleted: a URL keeps its id
 # * ``{pdr}:next-id``   counter: the next id to give (ids are never given twice)
 # * ``{pdr}:nodes``     hash: node id -> JSON {role, url, slots, labels}
-# * ``{pdr}:admin``     hash: node id -> serving | draining | removed | removed forced
+# * ``{pdr}:admin``     hash: node id -> serving | draining | draining gone (DNS stopped
+#   listing it) | removed | removed forced
 # * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
 #   lease (rewritten while it lives)
@@ -199,7 +200,9 @@ GRANTS = "{pdr}:grant:"
 # * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
 
 # ARGV: "set" (an operator's add: the record and "serving" are written, the verdict
-# dropped) or "adopt" (a router's configured nodes: written only if new), the router, then
+# dropped), "adopt" (a router's configured nodes: written only if new) or "discover" (an
+# address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
+# its record and admin state, an operator's drain included), the router, then
 # per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
 # A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
 NODES = _COMMON + """
@@ -219,14 +222,16 @@ for i = 3, #ARGV, 5 do
     end
     redis.call('HSET', P .. 'node-ids', key, id)
     write = true
+  elseif ARGV[1] == 'discover' then
+    write = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
   end
   if write then
     redis.call('HSET', P .. 'nodes', id, ARGV[i + 2])
     redis.call('HSET', P .. 'admin', id, ARGV[i + 3])
     changed = true
   end
-  -- An operator's add starts the node afresh: an old verdict on it is the prober's to renew.
-  if ARGV[1] == 'set' then redis.call('HDEL', P .. 'health', id) end
+  -- An add starts the node afresh: an old verdict on it is the prober's to renew.
+  if write and ARGV[1] ~= 'adopt' then redis.call('HDEL', P .. 'health', id) end
   ids[#ids + 1] = tonumber(id)
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end
@@ -237,6 +242,17 @@ return ids
 ADMIN = _COMMON + """
 if redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then return 0 end
 redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# ARGV: router, node id, admin state expected, new one -> 1 if it was the expected one
+# (DNS discovery: a drain only of a serving node, undone only if it is discovery's); a node
+# serving again has its verdict dropped (it joins afresh)
+DNS_ADMIN = _COMMON + """
+if redis.call('HGET', P .. 'admin', ARGV[2]) ~= ARGV[3] then return 0 end
+redis.call('HSET', P .. 'admin', ARGV[2], ARGV[4])
+if ARGV[4] == 'serving' then redis.call('HDEL', P .. 'health', ARGV[2]) end
 redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """

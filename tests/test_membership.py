@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_router.discovery import GONE
 from pd_router.errors import NodeDead
 from pd_router.fleet import Fleet
 from pd_router.membership import LocalMembership, Record, Verdict, apply
@@ -137,6 +138,24 @@ def test_the_fleet_tells_of_its_own_verdicts_only() -> None:
     apply(fleet, {0: P, 1: D1, 2: D2}, {2: DEAD})
     apply(fleet, {0: P, 1: D1, 2: D2}, {2: BACK})
     assert told == [(1, State.DEAD), (1, State.SERVING), (2, State.UNHEALTHY)]
+
+
+def test_a_discovered_node_joins_and_a_dns_drain_is_undone_by_its_return_only() -> None:
+    found = Record(5, "decode", "http://d5", 4, source="dns:decode.test:8200")
+    fleet = fleet_of(P, found)
+    d5 = fleet.node(5)
+    assert d5 is not None and (d5.state, d5.source) == (State.JOINING, found.source)
+    apply(fleet, {0: P, 5: found}, {5: BACK})
+    assert d5.state is State.SERVING, "another router's first good probe admits it"
+    gone = Record(5, "decode", "http://d5", 4, admin="draining", source=found.source, gone=True)
+    assert Record.parse(5, gone.body(), gone.admin_value.encode()) == gone
+    apply(fleet, {0: P, 5: gone}, {})
+    assert (d5.state, d5.reason) == (State.DRAINING, GONE)
+    apply(fleet, {0: P, 5: found}, {})
+    assert d5.state is State.JOINING, "listed again: it joins afresh"
+    apply(fleet, {0: P, 5: Record(5, "decode", "http://d5", 4, admin="draining")}, {})
+    apply(fleet, {0: P, 5: found}, {})
+    assert d5.state is State.SERVING, "an operator's drain undone by an operator's add"
 
 
 def test_records_and_verdicts_read_back_as_written() -> None:

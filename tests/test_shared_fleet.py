@@ -219,3 +219,51 @@ async def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_st
         async with router(redis_server, lease=1.0) as b:
             await anyio.sleep(1.0)
             assert a.may_probe() and not b.may_probe(), "one prober for the fleet"
+
+
+async def test_dns_discovery_through_the_shared_fleet_keeps_one_id_and_the_operators_drain(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Two routers discovering one address get one node, one id; a DNS drain is undone by
+    the address's return but an operator's drain is not; a removal waits for the other
+    router's requests; an address back after its removal keeps its id."""
+    source = "dns:decode.test:8200"
+    async with router(redis_server, decode=[D0]) as a, router(redis_server, decode=[D0]) as b:
+        found = await a.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert found is not None and found.state is State.JOINING and found.source == source
+        again = await b.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert again is not None and again.id == found.id
+        assert [n.url for n in b.fleet.nodes].count(D2) == 1
+        # A good probe on one router admits the node on the other.
+        a.fleet.probed(found)
+        await until(lambda: state(b, D2) is State.SERVING)
+        # Gone from a's lookups: drained everywhere, and back: joining again everywhere.
+        await a.gone(found)
+        await until(lambda: state(b, D2) is State.DRAINING)
+        assert await a.back(found)
+        await until(lambda: state(b, D2) is State.JOINING)
+        # An operator's drain is neither marked as DNS's nor undone by a return.
+        await b.drain(again)
+        await until(lambda: state(a, D2) is State.DRAINING)
+        await a.gone(found)
+        assert not await a.back(found)
+        assert state(a, D2) is State.DRAINING
+        # Gone for good: the removal waits while b has a request on it.
+        with b.fleet.bind(Request("r1"), again):
+            await counted(a, b, found.id, 1)
+            with pytest.raises(ValueError, match="1 requests in flight on other routers"):
+                await a.retire(found, force=False)
+        await counted(a, b, found.id, 0)
+        await a.retire(found, force=False)
+        await until(lambda: state(b, D2) is None)
+        # Listed again after its removal: registered again under the same id.
+        back = await b.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert back is not None and (back.id, back.state) == (found.id, State.JOINING)
+        await until(lambda: state(a, D2) is State.JOINING)
+
+
+async def counted(asker: SharedFleet, other: SharedFleet, node_id: int, count: int) -> None:
+    """Until ``asker`` reads ``count`` requests of ``other``'s on the node."""
+    with anyio.fail_after(5):
+        while (await asker.in_flight()).get(other.router_id, {}).get(node_id, 0) != count:
+            await anyio.sleep(0.05)
