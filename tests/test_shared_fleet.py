@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
+from pd_router.discovery import Answer, Discovery, Group, parse_dns_spec
+from pd_router.discovery_loop import apply
 from pd_router.errors import NodeDead, StateUnavailable
 from pd_router.fleet import Fleet
 from pd_router.nodes import Evidence, Failure, HealthPolicy, State, make_nodes
@@ -267,3 +269,41 @@ async def counted(asker: SharedFleet, other: SharedFleet, node_id: int, count: i
     with anyio.fail_after(5):
         while (await asker.in_flight()).get(other.router_id, {}).get(node_id, 0) != count:
             await anyio.sleep(0.05)
+
+
+async def test_routers_whose_lookups_differ_never_fail_a_request_nor_duplicate_a_node(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """The discovery loop's rule with --state: a router whose lookup lost an address drains
+    it for the fleet and removes it once no router has a request on it; one that still
+    lists it registers it again, under its id, after the removal."""
+    spec = parse_dns_spec("decode.test:1", "decode")
+    both, only_d0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
+    async with router(redis_server, decode=[]) as a, router(redis_server, decode=[]) as b:
+        found = {r: Discovery([Group(spec)], drain_timeout=60) for r in (a, b)}
+
+        async def look(r: SharedFleet, answer: Answer) -> None:
+            for node in await apply(found[r].groups[0], answer, r.fleet, found[r], r):
+                r.fleet.probed(node)
+
+        await look(a, both)
+        await look(b, both)
+        assert ids(a) == ids(b) and len(b.fleet.pool.nodes) == 2
+        d2 = ids(a)[D2]
+        b_d2 = b.fleet.node(d2)
+        assert b_d2 is not None
+        request = Request("r1")
+        with b.fleet.bind(request, b_d2):
+            await counted(a, b, d2, 1)
+            await look(a, only_d0)  # a's view: D2 gone; b still lists it
+            assert state(a, D2) is State.DRAINING, "not removed under b's request"
+            await until(lambda: state(b, D2) is State.DRAINING)
+            await look(b, both)
+            assert state(b, D2) is State.DRAINING, "b leaves a's drain alone"
+        assert request.errors == []
+        await counted(a, b, d2, 0)
+        await look(a, only_d0)
+        await until(lambda: state(b, D2) is None)
+        await look(b, both)  # b lists it still: the same node, back
+        await until(lambda: state(a, D2) is State.SERVING)
+        assert ids(a) == ids(b) and ids(b)[D2] == d2 and len(a.fleet.pool.nodes) == 2
