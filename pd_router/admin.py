@@ -13,8 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import Aborted
+from .errors import Aborted, StateUnavailable
 from .fleet import Fleet
+from .membership import LocalMembership, Membership
 from .nodes import Node, check_labels, normalise_url
 from .relay import Relay, Router
 from .remote_abort import Outcome, RemoteAborts
@@ -69,9 +70,16 @@ def abort_here(fleet: Fleet, rid: str) -> Outcome:
     return 200, {"id": rid, "aborted": True, **partial}
 
 
-def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None) -> list[Route]:
-    """``remote``: with a shared state, an abort reaches the router that holds the request."""
+def admin_routes(
+    router: Router,
+    token: str,
+    remote: RemoteAborts | None = None,
+    membership: Membership | None = None,
+) -> list[Route]:
+    """``remote``: with a shared state, an abort reaches the router that holds the request;
+    ``membership``: where node changes go (with a shared state, to every router)."""
     fleet = router.fleet
+    members = membership or LocalMembership(fleet)
     expected = f"Bearer {token}".encode()
 
     def guarded(handler: Handler) -> Handler:
@@ -79,7 +87,10 @@ def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None)
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return _error(401, "a valid admin bearer token is required", "unauthorized")
-            return await handler(request)
+            try:
+                return await handler(request)
+            except StateUnavailable as exc:
+                return _error(503, str(exc), "shared_state_unavailable")
 
         return check
 
@@ -90,15 +101,25 @@ def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None)
             return None
 
     async def list_nodes(request: Request) -> Response:
-        return _json(
-            {
-                "nodes": [node_view(node) for node in fleet.nodes],
-                "serving_view": fleet.serving_view(),
-                "queue_depth": fleet.pool.queue_depth,
-                "in_flight": len(fleet.bindings),
-                "shutting_down": router.shutting_down,
-            }
-        )
+        nodes = [node_view(node) for node in fleet.nodes]
+        document = {
+            "nodes": nodes,
+            "serving_view": fleet.serving_view(),
+            "queue_depth": fleet.pool.queue_depth,
+            "in_flight": len(fleet.bindings),
+            "shutting_down": router.shutting_down,
+        }
+        by_router = await members.in_flight()
+        if by_router is not None:
+            # Every router's requests per node: bound_requests are this router's only.
+            for view in nodes:
+                counts = {r: c[view["id"]] for r, c in by_router.items() if c.get(view["id"])}
+                view["in_flight_by_router"] = counts
+                view["fleet_in_flight"] = sum(counts.values())
+            document["routers"] = {r: sum(c.values()) for r, c in sorted(by_router.items())}
+            if not fleet.pool.available:
+                document["shared_state"] = "unavailable"  # so the others are not in it
+        return _json(document)
 
     async def add_node(request: Request) -> Response:
         try:
@@ -122,14 +143,20 @@ def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None)
             labels = check_labels(spec.get("labels", {}))
         except ValueError as exc:
             return _error(400, f"labels: {exc}", "bad_node", "labels")
-        node = fleet.add(url, spec["role"], slots, labels=labels)
+        try:
+            node = await members.add(url, spec["role"], slots, labels)
+        except ValueError as exc:
+            return _error(409, str(exc), "conflict")
         return _json(node_view(node), 201)
 
     async def drain_node(request: Request) -> Response:
         node = find(request)
         if node is None:
             return _error(404, "no such node", "not_found")
-        fleet.drain(node)
+        try:
+            await members.drain(node)
+        except ValueError as exc:
+            return _error(409, str(exc), "conflict")
         # Accepted, not done: in-flight requests finish in their own time.
         return _json(node_view(node), 202)
 
@@ -138,7 +165,7 @@ def admin_routes(router: Router, token: str, remote: RemoteAborts | None = None)
         if node is None:
             return _error(404, "no such node", "not_found")
         try:
-            fleet.remove(node, force=request.query_params.get("force") == "true")
+            await members.remove(node, request.query_params.get("force") == "true")
         except ValueError as exc:
             return _error(409, str(exc), "not_drained")
         return _json({"removed": node.id})

@@ -25,11 +25,13 @@ from .discovery_loop import discover_forever
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
 from .health import probe, probe_forever, supervise, watch_stalls
 from .lag import LoopLag
+from .membership import LocalMembership, Membership
 from .nodes import Node
 from .relay import Relay, Router
 from .remote_abort import RemoteAborts
 from .resolver import Resolver
 from .response import ClientStream
+from .shared_fleet import SharedFleet
 from .shared_pool import SharedPool
 from .validation import PATHS, Endpoint, parse_body, request_id
 
@@ -110,8 +112,10 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
+    membership: Membership = LocalMembership(fleet)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
+        membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
 
     async def models(request: Request) -> Response:
         serving = set(fleet.serving_view())
@@ -175,6 +179,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         options.health_interval,
                         options.health_timeout,
                         lag,
+                        membership.may_probe,
                     )
                     tg.start_soon(supervise, "the prober", prober)
                 if options.stall_timeout > 0:
@@ -184,9 +189,9 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(
                         supervise,
                         "DNS discovery",
-                        partial(_discover, router, router.discovery, options, lag),
+                        partial(_discover, router, router.discovery, membership, options, lag),
                     )
-                for name, work in fleet.pool.background():
+                for name, work in [*fleet.pool.background(), *membership.background()]:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
@@ -207,7 +212,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
-        routes.extend(admin_routes(router, options.admin_token, remote))
+        routes.extend(admin_routes(router, options.admin_token, remote, membership))
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:
@@ -233,7 +238,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
 
 async def _discover(
-    router: Router, discovery: Discovery, options: AppOptions, lag: LoopLag
+    router: Router,
+    discovery: Discovery,
+    membership: Membership,
+    options: AppOptions,
+    lag: LoopLag,
 ) -> None:
     # Lookups give up well before the next round is due, and never wait under a second.
     resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))
@@ -242,7 +251,7 @@ async def _discover(
     async def admit(node: Node) -> None:
         await probe(fleet, router.upstream, node, options.health_timeout, lag)
 
-    await discover_forever(discovery, fleet, resolver.lookup, admit)
+    await discover_forever(discovery, fleet, membership, resolver.lookup, admit)
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

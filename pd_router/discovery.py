@@ -15,8 +15,9 @@ answer to its group, which says what follows:
 A failed lookup or an answer with no address changes nothing: DNS trouble never empties the
 fleet. Only a real answer that lists fewer addresses removes nodes.
 
-A node's identity is its address (``http://IP:PORT``), never the name or an id: routers
-that share a fleet can agree on nodes by address with no coordination of ids.
+A node's identity is its address (``http://IP:PORT``), never the name or an id: with
+``--state`` every router's changes go through the shared fleet, which keys nodes by role
+and address, so that routers discovering the same name agree on each node and its id.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ CHANGES: tuple[Change, ...] = ("added", "drained", "rejoined", "removed")
 
 # The reason a node drained by discovery shows; only such a drain is undone by its return.
 GONE = "gone from DNS"
+
+# How a discovered node's source starts.
+DNS_SOURCE = "dns:"
 
 # RFC 1123 host names, plus the underscores of SRV names (_http._tcp.svc).
 _NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.?)+")
@@ -60,7 +64,8 @@ class DnsSpec:
     @property
     def source(self) -> str:
         """How the nodes it brings show their origin (``/admin/nodes``, metrics, status)."""
-        return f"dns:{self.name}" if self.port is None else f"dns:{self.name}:{self.port}"
+        name = DNS_SOURCE + self.name
+        return name if self.port is None else f"{name}:{self.port}"
 
 
 def parse_dns_spec(text: str, role: Role) -> DnsSpec:
@@ -177,12 +182,13 @@ class Group:
         self.last: Outcome | None = None
         self.listed = 0
 
-    def update(
-        self, answer: Answer, taken: Collection[str], alive: Collection[int], now: float
-    ) -> Plan:
-        """Take ``answer`` in. ``taken``: URLs of every node in the fleet (a static node or
-        another name's is not added twice); ``alive``: the ids still in it (an operator may
-        have removed a node; an address still listed comes back as a new one)."""
+    def update(self, answer: Answer, taken: Collection[str], alive: Collection[int]) -> Plan:
+        """Take ``answer`` in. ``taken``: URLs of nodes in the fleet that are not this
+        group's to add (a static node or another name's is not added twice); ``alive``: the
+        ids still in it (an operator may have removed a node; an address still listed comes
+        back). The plan changes nothing here: each change is recorded (``joined``, ``left``,
+        ``back``, ``removed``) once made, so that one the fleet could not make (Redis away,
+        with ``--state``) is planned again next round."""
         self.lookups[answer.outcome] += 1
         self.members = {u: m for u, m in self.members.items() if m.node_id in alive}
         if answer.outcome != "ok":
@@ -193,36 +199,46 @@ class Group:
         drain, rejoin = [], []
         for address, member in self.members.items():
             if address not in listed and member.gone_since is None:
-                member.gone_since = now
                 drain.append(member.node_id)
             elif address in listed and member.gone_since is not None:
-                member.gone_since = None
                 rejoin.append(member.node_id)
-        self.changes["drained"] += len(drain)
         return Plan(add, tuple(drain), tuple(rejoin))
 
     def joined(self, address: str, node_id: int) -> None:
         self.members[address] = Member(node_id)
         self.changes["added"] += 1
 
-    def rejoined(self) -> None:
-        self.changes["rejoined"] += 1
+    def left(self, node_id: int, now: float) -> None:
+        """The node of a gone address drains from ``now``."""
+        self._member(node_id).gone_since = now
+        self.changes["drained"] += 1
+
+    def back(self, node_id: int, rejoined: bool) -> None:
+        """A gone address is listed again; ``rejoined``: its node joins again (False: an
+        operator's drain, which stays)."""
+        self._member(node_id).gone_since = None
+        self.changes["rejoined"] += rejoined
 
     def sweep(
         self, now: float, drain_timeout: float, idle: Callable[[int], bool]
-    ) -> list[tuple[int, bool]]:
-        """Gone nodes to remove now, each with whether it must be forced (it still holds
-        requests after ``drain_timeout``); they leave the group."""
+    ) -> list[tuple[str, int, bool]]:
+        """Gone nodes to remove now (address, id), each with whether it must be forced (it
+        still holds requests after ``drain_timeout``)."""
         removing = []
-        for address, member in list(self.members.items()):
+        for address, member in self.members.items():
             if member.gone_since is None:
                 continue
             empty = idle(member.node_id)
             if empty or now - member.gone_since >= drain_timeout:
-                removing.append((member.node_id, not empty))
-                del self.members[address]
-                self.changes["removed"] += 1
+                removing.append((address, member.node_id, not empty))
         return removing
+
+    def removed(self, address: str) -> None:
+        del self.members[address]
+        self.changes["removed"] += 1
+
+    def _member(self, node_id: int) -> Member:
+        return next(m for m in self.members.values() if m.node_id == node_id)
 
 
 @dataclass

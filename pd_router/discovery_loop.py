@@ -1,5 +1,6 @@
 """The discovery loop: every ``--discovery-interval`` seconds, resolve each name and apply
-what its group decides (``discovery.py``) through the fleet's add / drain / remove.
+what its group decides (``discovery.py``) through the membership (``membership.py``): this
+process's fleet, or with ``--state`` the fleet every router shares.
 
 New nodes join and are probed at once, so that one that answers serves within a round
 trip of its lookup rather than at the prober's next tick; the prober takes them on from
@@ -16,8 +17,10 @@ from typing import Any
 
 import anyio
 
-from .discovery import GONE, Answer, Discovery, DnsSpec, Group
+from .discovery import Answer, Discovery, DnsSpec, Group
+from .errors import StateUnavailable
 from .fleet import Fleet
+from .membership import Membership
 from .nodes import Node
 
 log = logging.getLogger("pd_router.discovery")
@@ -27,14 +30,16 @@ Probe = Callable[[Node], Coroutine[Any, Any, None]]
 
 
 async def discover_forever(
-    discovery: Discovery, fleet: Fleet, lookup: Lookup, probe: Probe
+    discovery: Discovery, fleet: Fleet, membership: Membership, lookup: Lookup, probe: Probe
 ) -> None:
     while True:
-        await discover_once(discovery, fleet, lookup, probe)
+        await discover_once(discovery, fleet, membership, lookup, probe)
         await anyio.sleep(discovery.interval)
 
 
-async def discover_once(discovery: Discovery, fleet: Fleet, lookup: Lookup, probe: Probe) -> None:
+async def discover_once(
+    discovery: Discovery, fleet: Fleet, membership: Membership, lookup: Lookup, probe: Probe
+) -> None:
     answers: dict[int, Answer] = {}
 
     async def ask(index: int, group: Group) -> None:
@@ -45,61 +50,75 @@ async def discover_once(discovery: Discovery, fleet: Fleet, lookup: Lookup, prob
             tg.start_soon(ask, index, group)
     joining: list[Node] = []
     for index, group in enumerate(discovery.groups):
-        joining += apply(group, answers[index], fleet, discovery)
+        joining += await apply(group, answers[index], fleet, discovery, membership)
     async with anyio.create_task_group() as tg:
         for node in joining:
             tg.start_soon(probe, node)
 
 
-def apply(group: Group, answer: Answer, fleet: Fleet, discovery: Discovery) -> list[Node]:
-    """One answer into the fleet; returns the nodes that joined (to be probed)."""
+async def apply(
+    group: Group, answer: Answer, fleet: Fleet, discovery: Discovery, membership: Membership
+) -> list[Node]:
+    """One answer into the fleet, through ``membership`` (with ``--state``, the fleet of
+    every router); returns the nodes that joined (to be probed)."""
     spec = group.spec
     _log_outcome(group, answer)
     nodes = {node.id: node for node in fleet.nodes}
-    plan = group.update(answer, {node.url for node in nodes.values()}, nodes, fleet.clock())
+    # A node of this name that no group holds is another router's find (--state): this
+    # router's lookup takes it on if it lists the address.
+    held = {member.node_id for g in discovery.groups for member in g.members.values()}
+    taken = {node.url for node in nodes.values() if node.source != spec.source or node.id in held}
+    plan = group.update(answer, taken, nodes)
     joining = []
     slots = spec.slots or (discovery.decode_slots if spec.role == "decode" else 1)
     drain_timeout = discovery.drain_timeout
-    for address in plan.add:
-        node = fleet.add(
-            address, spec.role, slots, labels=dict(spec.labels), source=spec.source, joining=True
-        )
-        group.joined(address, node.id)
-        joining.append(node)
-        log.info("%s: %s node %s (%s) found; joining", spec.source, spec.role, node.id, node.url)
-    for node_id in plan.drain:
-        node = nodes[node_id]
-        fleet.drain(node, GONE)
-        log.info(
-            "%s: %s node %s (%s) no longer listed: draining its %d requests",
-            spec.source,
-            spec.role,
-            node.id,
-            node.url,
-            len(node.bound),
-        )
-    for node_id in plan.rejoin:
-        node = nodes[node_id]
-        if fleet.rejoin(node, GONE):
-            group.rejoined()
-            joining.append(node)
-            log.info("%s: %s node %s (%s) listed again; joining", *_named(spec, node))
-    for node_id, force in group.sweep(fleet.clock(), drain_timeout, lambda i: _idle(nodes[i])):
-        node = nodes[node_id]
-        held = len(node.bound)
-        fleet.remove(node, force=True)
-        if force:
-            log.warning(
-                "%s: %s node %s (%s) removed %g s after it left DNS, failing its %d requests",
-                spec.source,
-                spec.role,
-                node.id,
-                node.url,
-                drain_timeout,
-                held,
+    now = fleet.clock()
+    try:
+        for address in plan.add:
+            found = await membership.discovered(
+                address, spec.role, slots, dict(spec.labels), spec.source
             )
-        else:
-            log.info("%s: %s node %s (%s) drained and removed", *_named(spec, node))
+            if found is None or found.source != spec.source:
+                continue  # removed meanwhile, or another source's node (--state)
+            group.joined(address, found.id)
+            joining.append(found)
+            log.info("%s: %s node %s (%s) found; %s", *_named(spec, found), found.state.value)
+        for node_id in plan.drain:
+            node = nodes[node_id]
+            await membership.gone(node)
+            group.left(node_id, now)
+            log.info(
+                "%s: %s node %s (%s) no longer listed: draining its %d requests",
+                *_named(spec, node),
+                len(node.bound),
+            )
+        for node_id in plan.rejoin:
+            node = nodes[node_id]
+            rejoined = await membership.back(node)
+            group.back(node_id, rejoined)
+            if rejoined:
+                joining.append(node)
+                log.info("%s: %s node %s (%s) listed again; joining", *_named(spec, node))
+        for address, node_id, force in group.sweep(now, drain_timeout, lambda i: _idle(nodes[i])):
+            node = nodes[node_id]
+            held_requests = len(node.bound)
+            try:
+                await membership.retire(node, force)
+            except ValueError as exc:
+                log.info("%s: %s; removal tried again next round", spec.source, exc)
+                continue
+            group.removed(address)
+            if force:
+                log.warning(
+                    "%s: %s node %s (%s) removed %g s after it left DNS, failing its %d requests",
+                    *_named(spec, node),
+                    drain_timeout,
+                    held_requests,
+                )
+            else:
+                log.info("%s: %s node %s (%s) drained and removed", *_named(spec, node))
+    except StateUnavailable:
+        pass  # --state with Redis away (the pool logs it): what was not made is planned again
     return joining
 
 

@@ -90,6 +90,10 @@ class Fleet:
         # Every request in flight by id, from its arrival (before it has a slot) to its end.
         self.requests: dict[str, Handle] = {}
         self._next_id = len(prefill) + len(decode)
+        # Told of each death, unhealthy verdict and readmission this router finds (not of a
+        # stall, its own streams' business, nor of what it is told): with ``--state`` the
+        # shared fleet publishes them to every router.
+        self.on_verdict: Callable[[Node], None] = lambda node: None
 
     @property
     def nodes(self) -> list[Node]:
@@ -172,6 +176,7 @@ class Fleet:
             )
         if state is not None:
             self._changed()
+            self.on_verdict(node)
 
     def served(self, node: Node) -> None:
         """A real request on ``node`` succeeded."""
@@ -186,6 +191,37 @@ class Fleet:
             else:
                 log.warning("%s node %s (%s) is back: readmitted", *_named(node))
             self._changed()
+            self.on_verdict(node)
+
+    # What another router found (``--state``): the same consequences, no echo
+
+    def told(self, node: Node, state: State, reason: str | None, message: str) -> None:
+        """Another router's verdict: dead (its requests here fail), unhealthy, or serving
+        (again: not before a stall hold found here ends; or a joining node's first good
+        probe, made by another router)."""
+        if state is State.DEAD and node.state is not State.DEAD:
+            node.state, node.reason, node.last_error = State.DEAD, reason, message
+            message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
+            failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)
+            log.warning("%s; failing its %d requests here", message, failing)
+        elif state is State.UNHEALTHY and node.state is State.SERVING:
+            node.state, node.reason, node.last_error = State.UNHEALTHY, reason, message
+            log.warning("%s node %s (%s) is unhealthy: %s", node.role, node.id, node.url, message)
+        elif (
+            state is State.SERVING
+            and node.state in (State.DEAD, State.UNHEALTHY, State.JOINING)
+            and self.clock() >= node.hold_until
+        ):
+            joining = node.state is State.JOINING
+            node.served()
+            node.state, node.reason = State.SERVING, None
+            if joining:
+                log.info("%s node %s (%s) answered its first probe: serving", *_named(node))
+            else:
+                log.warning("%s node %s (%s) is back: readmitted", *_named(node))
+        else:
+            return
+        self._changed()
 
     def stalled(self, node: Node, silent: list[Binding], seconds: float, hold: float) -> None:
         """Every started stream on ``node`` has been silent ``seconds``: each gets one
@@ -248,15 +284,15 @@ class Fleet:
         labels: dict[str, str] | None = None,
         source: str = "admin",
         joining: bool = False,
+        node_id: int | None = None,
     ) -> Node:
-        """A new node under a new id; ``joining``: it takes no request before its first
-        good probe (``Node.probed``)."""
-        node = Node(
-            id=self._next_id, url=url, slots=slots, role=role, labels=labels or {}, source=source
-        )
+        """A new node, under a new id unless ``node_id`` (the shared fleet's) is given;
+        ``joining``: it takes no request before its first good probe (``Node.probed``)."""
+        node_id = self._next_id if node_id is None else node_id
+        node = Node(id=node_id, url=url, slots=slots, role=role, labels=labels or {}, source=source)
         if joining:
             node.state, node.reason = State.JOINING, JOINING
-        self._next_id += 1
+        self._next_id = max(self._next_id, node_id + 1)
         (self.pool.nodes if role == "decode" else self.prefill.nodes).append(node)
         self._changed()
         return node
@@ -277,6 +313,16 @@ class Fleet:
         node.successes = 0
         self._changed()
         return True
+
+    def undrain(self, node: Node) -> None:
+        if node.state is State.DRAINING:
+            node.state, node.reason = State.SERVING, None
+            self._changed()
+
+    def resize(self, node: Node, slots: int) -> None:
+        if node.slots != slots:
+            node.slots = slots
+            self._changed()
 
     def remove(self, node: Node, *, force: bool = False) -> None:
         """Forget a drained (or dead) node; ``force`` fails its bound requests first."""

@@ -29,12 +29,19 @@ VOID_LAG_SHARE = 0.25
 
 
 async def probe_forever(
-    fleet: Fleet, upstream: Upstream, interval: float, timeout: float, lag: LoopLag
+    fleet: Fleet,
+    upstream: Upstream,
+    interval: float,
+    timeout: float,
+    lag: LoopLag,
+    may_probe: Callable[[], bool] = lambda: True,
 ) -> None:
+    """``may_probe``: with ``--state`` one router probes for the fleet, the others wait."""
     while True:
-        async with anyio.create_task_group() as tg:
-            for node in fleet.nodes:
-                tg.start_soon(probe, fleet, upstream, node, timeout, lag)
+        if may_probe():
+            async with anyio.create_task_group() as tg:
+                for node in fleet.nodes:
+                    tg.start_soon(probe, fleet, upstream, node, timeout, lag)
         await anyio.sleep(interval)
 
 

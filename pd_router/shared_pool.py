@@ -75,6 +75,9 @@ class SharedPool(DecodePool):
         self._waiting: dict[str, Waiter] = {}
         # Those of them that are in Redis's queue (the others' scripts have not answered).
         self._queued: set[str] = set()
+        # Run before each registration (a start, a lost lease, a Redis that lost its data):
+        # the shared fleet adopts, or puts back, the nodes whose slots it writes.
+        self.before_register: Callable[[], Awaitable[None]] | None = None
         jobs: tuple[MemoryObjectSendStream[Job], MemoryObjectReceiveStream[Job]]
         jobs = anyio.create_memory_object_stream(math.inf)
         self._jobs, self._pending = jobs
@@ -223,6 +226,8 @@ class SharedPool(DecodePool):
     async def _register(self) -> None:
         """Tell Redis what this router holds and who waits, with its lease: after a start,
         a lost lease, or a Redis that lost its data."""
+        if self.before_register is not None:
+            await self.before_register()
         held = [item for r in self._held.values() for item in (r.id, r.node.url)]
         waiting = [resid for resid in self._queued if self._waiting[resid].node is None]
         args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]

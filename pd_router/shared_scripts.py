@@ -185,3 +185,122 @@ return 1
 
 RESERVATIONS = "{pdr}:res:"
 GRANTS = "{pdr}:grant:"
+
+# ---------------------------------------------------------------- the fleet (shared_fleet.py)
+#
+# * ``{pdr}:node-ids``  hash: "role url" -> node id, never deleted: a URL keeps its id
+# * ``{pdr}:next-id``   counter: the next id to give (ids are never given twice)
+# * ``{pdr}:nodes``     hash: node id -> JSON {role, url, slots, labels}
+# * ``{pdr}:admin``     hash: node id -> serving | draining | draining gone (DNS stopped
+#   listing it) | removed | removed forced
+# * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
+# * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
+#   lease (rewritten while it lives)
+# * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
+# * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
+
+# ARGV: "set" (an operator's add: the record and "serving" are written, the verdict
+# dropped), "adopt" (a router's configured nodes: written only if new) or "discover" (an
+# address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
+# its record and admin state, an operator's drain included), the router, then
+# per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
+# A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
+NODES = _COMMON + """
+local router, ids, changed = ARGV[2], {}, false
+for i = 3, #ARGV, 5 do
+  local key = ARGV[i] .. ' ' .. ARGV[i + 1]
+  local id = redis.call('HGET', P .. 'node-ids', key)
+  local write = ARGV[1] == 'set'
+  if not id then
+    id = ARGV[i + 4]
+    if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
+      repeat
+        id = tostring(redis.call('INCR', P .. 'next-id') - 1)
+      until redis.call('HEXISTS', P .. 'nodes', id) == 0
+    elseif tonumber(redis.call('GET', P .. 'next-id') or '0') <= tonumber(id) then
+      redis.call('SET', P .. 'next-id', tonumber(id) + 1)
+    end
+    redis.call('HSET', P .. 'node-ids', key, id)
+    write = true
+  elseif ARGV[1] == 'discover' then
+    write = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
+  end
+  if write then
+    redis.call('HSET', P .. 'nodes', id, ARGV[i + 2])
+    redis.call('HSET', P .. 'admin', id, ARGV[i + 3])
+    changed = true
+  end
+  -- An add starts the node afresh: an old verdict on it is the prober's to renew.
+  if write and ARGV[1] ~= 'adopt' then redis.call('HDEL', P .. 'health', id) end
+  ids[#ids + 1] = tonumber(id)
+end
+if changed then redis.call('PUBLISH', P .. 'fleet', router) end
+return ids
+"""
+
+# ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node
+ADMIN = _COMMON + """
+if redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then return 0 end
+redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# ARGV: router, node id, admin state expected, new one -> 1 if it was the expected one
+# (DNS discovery: a drain only of a serving node, undone only if it is discovery's); a node
+# serving again has its verdict dropped (it joins afresh)
+DNS_ADMIN = _COMMON + """
+if redis.call('HGET', P .. 'admin', ARGV[2]) ~= ARGV[3] then return 0 end
+redis.call('HSET', P .. 'admin', ARGV[2], ARGV[4])
+if ARGV[4] == 'serving' then redis.call('HDEL', P .. 'health', ARGV[2]) end
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# ARGV: router, node id, verdict
+VERDICT = _COMMON + """
+redis.call('HSET', P .. 'health', ARGV[2], ARGV[3])
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# -> {nodes (id, record...), admin states (id, state...), verdicts (id, verdict...)}
+SNAPSHOT = _COMMON + """
+return {redis.call('HGETALL', P .. 'nodes'), redis.call('HGETALL', P .. 'admin'),
+  redis.call('HGETALL', P .. 'health')}
+"""
+
+# ARGV: router, ms to live, then pairs of (node id, requests in flight)
+PUT_IN_FLIGHT = _COMMON + """
+local key = P .. 'in-flight:' .. ARGV[1]
+redis.call('DEL', key)
+if #ARGV > 2 then redis.call('HSET', key, unpack(ARGV, 3)) end
+redis.call('PEXPIRE', key, ARGV[2])
+return 1
+"""
+
+# -> {router, {node id, requests...}, ...} for every router holding a lease
+IN_FLIGHT = _COMMON + """
+local out = {}
+for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+  out[#out + 1] = router
+  out[#out + 1] = redis.call('HGETALL', P .. 'in-flight:' .. router)
+end
+return out
+"""
+
+# ARGV: router, ms -> 1 if the router is (still, or now) the prober for that long, else 0
+PROBER = _COMMON + """
+local holder = redis.call('GET', P .. 'prober')
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', P .. 'prober', ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# ARGV: router -> the prober lease given up, if the router held it (a router stopping)
+UNPROBE = _COMMON + """
+if redis.call('GET', P .. 'prober') == ARGV[1] then redis.call('DEL', P .. 'prober') end
+return 1
+"""
+
+FLEET_CHANNEL = "{pdr}:fleet"

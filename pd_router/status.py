@@ -2,8 +2,9 @@
 
 The source is the router's public ``GET /metrics``. With an admin token (``--admin-token``
 or ``PD_ROUTER_ADMIN_TOKEN``) it is ``GET /admin/nodes`` instead, which also has each
-node's labels, its requests in flight and its last error. Fetching is ``urllib``; reading
-and formatting are pure functions.
+node's labels, its requests in flight (with ``--state``, those of every router sharing
+the fleet) and its last error. Fetching is ``urllib``; reading and formatting are pure
+functions.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Snapshot:
     queue_depth: int = 0
     in_flight: int = 0
     shutting_down: bool | None = None
+    # With a shared state (``--state``): every router's requests in flight, by router id.
+    routers: dict[str, int] | None = None
 
 
 def from_metrics(text: str) -> Snapshot:
@@ -105,18 +108,21 @@ def from_admin(document: Any) -> Snapshot:
                 in_use=int(node["in_use"]),
                 failures=int(node["consecutive_failures"]),
                 labels={str(k): str(v) for k, v in node.get("labels", {}).items()},
-                requests=len(node["bound_requests"]),
+                # With a shared state, every router's; bound_requests are the asked one's.
+                requests=int(node.get("fleet_in_flight", len(node["bound_requests"]))),
                 last_error=node.get("last_error"),
                 reason=node.get("reason"),
                 source=str(node.get("source", "static")),
             )
             for node in document["nodes"]
         ]
+        routers = document.get("routers")
         return Snapshot(
             nodes=sorted(nodes, key=lambda row: row.id),
             queue_depth=int(document["queue_depth"]),
             in_flight=int(document["in_flight"]),
             shutting_down=bool(document.get("shutting_down", False)),
+            routers=None if routers is None else {str(k): int(v) for k, v in routers.items()},
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StatusError(f"unexpected /admin/nodes answer ({exc!r})") from None
@@ -124,14 +130,17 @@ def from_admin(document: Any) -> Snapshot:
 
 def format_table(snapshot: Snapshot, router: str) -> str:
     """The fleet as aligned text; a column the source knows nothing of is left out."""
-    nodes = snapshot.nodes
+    nodes, routers = snapshot.nodes, snapshot.routers
     serving = sum(node.state == "serving" for node in nodes)
     decode = [node for node in nodes if node.role == "decode"]
+    in_flight = snapshot.in_flight if routers is None else sum(routers.values())
     summary = (
         f"pd-router {router}: {serving} of {len(nodes)} nodes serving, "
         f"decode slots {sum(n.in_use for n in decode)}/{sum(n.slots for n in decode)} in use, "
-        f"{snapshot.queue_depth} queued, {snapshot.in_flight} in flight"
+        f"{snapshot.queue_depth} queued, {in_flight} in flight"
     )
+    if routers is not None:
+        summary += f" on {len(routers)} routers"
     if snapshot.shutting_down:
         summary += ", SHUTTING DOWN"
     if not nodes:
@@ -159,6 +168,9 @@ def format_table(snapshot: Snapshot, router: str) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [summary, ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    if routers is not None:
+        lines.append("")
+        lines += [f"router {name}: {count} in flight" for name, count in sorted(routers.items())]
     # Why a node is not serving (the evidence), and the last error of a failing one.
     notes = [n for n in nodes if n.reason or (n.last_error and n.failures)]
     if notes:

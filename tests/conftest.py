@@ -1,7 +1,8 @@
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from pd_router.redis_client import Redis, parse_url
 from tests.redis_server import RedisServer
 
 
@@ -19,3 +20,14 @@ def redis_server() -> Iterator[RedisServer]:
         pytest.fail(str(exc), pytrace=False)
     with server:
         yield server
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A client of the module's server, which it empties first."""
+    client = Redis(parse_url(redis_server.url), timeout=1.0)
+    await client.call("FLUSHALL")
+    try:
+        yield client
+    finally:
+        await client.aclose()

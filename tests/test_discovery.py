@@ -4,11 +4,13 @@ drains, rejoins, removals once empty or after the bound, and answers that change
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from pd_router.discovery import GONE, Answer, Discovery, Group, dns_spec, parse_dns_spec
 from pd_router.discovery_loop import apply
 from pd_router.fleet import Fleet
+from pd_router.membership import LocalMembership
 from pd_router.nodes import Evidence, Failure, Node, State, make_nodes
 
 A, B, C = "http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.3:8200"
@@ -33,7 +35,13 @@ def setup(*static: str) -> tuple[Fleet, Discovery, Clock]:
 def answer(
     fleet: Fleet, discovery: Discovery, *addresses: str, failure: str | None = None
 ) -> list[Node]:
-    return apply(discovery.groups[0], Answer(frozenset(addresses), failure), fleet, discovery)
+    return applied(discovery, Answer(frozenset(addresses), failure), fleet)
+
+
+def applied(discovery: Discovery, answer: Answer, fleet: Fleet) -> list[Node]:
+    """The loop's ``apply`` of the first name, through this process's fleet (no --state)."""
+    group, members = discovery.groups[0], LocalMembership(fleet)
+    return anyio.run(apply, group, answer, fleet, discovery, members)
 
 
 def by_url(fleet: Fleet) -> dict[str, tuple[int, State]]:
@@ -228,5 +236,5 @@ def test_a_joining_node_gone_before_its_first_probe_is_removed() -> None:
 def test_prefill_names_make_prefill_nodes_with_one_slot() -> None:
     fleet, _, _ = setup()
     discovery = Discovery([Group(parse_dns_spec("prefill.test:8100", "prefill"))], decode_slots=4)
-    (node,) = apply(discovery.groups[0], Answer(frozenset({C})), fleet, discovery)
+    (node,) = applied(discovery, Answer(frozenset({C})), fleet)
     assert node in fleet.prefill.nodes and (node.role, node.slots) == ("prefill", 1)

@@ -19,9 +19,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
+from pd_router.redis_client import Redis, parse_url
 from pd_router.sim.fleet import EngineProcess, ServerProcess
 from tests.dns_server import DnsServer
 from tests.helpers import RouterProcess, wait_for
@@ -355,3 +357,71 @@ def test_routers_sharing_a_pool_discover_the_same_engines_by_address(
         assert max(peaks) <= 2 and decode[1].stats()["requests"] > 0, peaks
         for router in routers:
             router.assert_idle()
+
+
+def test_routers_sharing_the_fleet_agree_on_discovered_nodes_and_scale_down_under_load(
+    dns: DnsServer, engines: tuple[EngineProcess, list[EngineProcess]], redis_server: RedisServer
+) -> None:
+    """Three routers on one Redis (--state) discovering the same names go through the
+    shared fleet: each address is one node with one id on every router, never two; a
+    scale-down drains the leaving engine on all of them without failing a request; an
+    address back after its removal keeps its id (ids belong to role and URL)."""
+    prefill, decode = engines
+    anyio.run(flush, redis_server.url)
+    dns.set(records(prefill, decode[:2]))
+    with ExitStack() as stack:
+        routers = [
+            stack.enter_context(router_for(dns, prefill, "--state", redis_server.url))
+            for _ in range(3)
+        ]
+
+        def fleets() -> list[dict[str, tuple[int, str]]]:
+            return [{n["url"]: (n["id"], n["state"]) for n in r.nodes()} for r in routers]
+
+        def agreed(urls: set[str]) -> bool:
+            views = fleets()
+            return all(set(v) == urls and v == views[0] for v in views) and all(
+                state == "serving" for _, state in views[0].values()
+            )
+
+        wanted = {prefill.url, decode[0].url, decode[1].url}
+        wait_for(lambda: agreed(wanted), what="the same fleet, serving, on every router")
+        ids = {url: node_id for url, (node_id, _) in fleets()[0].items()}
+        assert len(set(ids.values())) == 3, ids
+        loads = [stack.enter_context(Load(router, clients=2)) for router in routers]
+        wait_for(
+            lambda: all(load.done >= 3 for load in loads) and requests_on(decode[1]) > 0,
+            what="load on every router and both engines",
+        )
+        # Scale down 2 -> 1 while streams run on both engines through every router.
+        dns.set(records(prefill, decode[:1]))
+        wait_for(lambda: agreed(wanted - {decode[1].url}), what="the leaving engine removed")
+        wait_for(lambda: decode[1].stats()["active"] == 0, what="nothing left on it")
+        done = [load.done for load in loads]
+        wait_for(
+            lambda: all(load.done >= d + 3 for load, d in zip(loads, done)), what="more requests"
+        )
+        # Back in DNS after its removal: the same id, on every router.
+        dns.set(records(prefill, decode[:2]))
+        wait_for(lambda: agreed(wanted), what="the engine back on every router")
+        assert {url: node_id for url, (node_id, _) in fleets()[0].items()} == ids
+        assert anyio.run(registered, redis_server.url) == {
+            f"{role} {url}": node_id
+            for url, node_id in ids.items()
+            for role in ["prefill" if url == prefill.url else "decode"]
+        }
+        logs = "".join(router.log() for router in routers)
+    assert all(load.failures == [] for load in loads), [load.failures[:3] for load in loads]
+    assert "drained and removed" in logs and "failing its" not in logs, logs
+
+
+async def flush(url: str) -> None:
+    async with Redis(parse_url(url), timeout=2.0) as redis:
+        await redis.call("FLUSHALL")
+
+
+async def registered(url: str) -> dict[str, int]:
+    """The shared fleet's ids by role and URL."""
+    async with Redis(parse_url(url), timeout=2.0) as redis:
+        pairs = await redis.call("HGETALL", "{pdr}:node-ids")
+    return {pairs[i].decode(): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}

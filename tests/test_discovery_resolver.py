@@ -11,6 +11,7 @@ import pytest
 from pd_router.discovery import Answer, Discovery, Group, parse_dns_spec
 from pd_router.discovery_loop import discover_once
 from pd_router.fleet import Fleet
+from pd_router.membership import LocalMembership
 from pd_router.nodes import Node, State
 from pd_router.resolver import Resolver
 from tests.dns_server import DnsServer
@@ -95,6 +96,7 @@ async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> 
     """One round of the discovery loop as the router runs it, on this backend: lookups of
     every name at once, the plan applied, the new nodes probed (here: answered at once)."""
     fleet = Fleet([], [])
+    members = LocalMembership(fleet)
     discovery = Discovery(
         [
             Group(parse_dns_spec("prefill.test:8100", "prefill")),
@@ -110,7 +112,7 @@ async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> 
     server.set(
         {"prefill.test.": {"A": ["10.0.0.1"]}, "decode.test.": {"A": ["10.0.1.1", "10.0.1.2"]}}
     )
-    await discover_once(discovery, fleet, resolver(server).lookup, probe)
+    await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
     assert sorted(probed) == [
         "http://10.0.0.1:8100",
         "http://10.0.1.1:8200",
@@ -121,6 +123,6 @@ async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> 
         ("http://10.0.1.2:8200", 3, State.SERVING),
     ]
     server.set({"prefill.test.": {"rcode": "SERVFAIL"}, "decode.test.": {"A": ["10.0.1.2"]}})
-    await discover_once(discovery, fleet, resolver(server).lookup, probe)
+    await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
     assert [n.url for n in fleet.nodes] == ["http://10.0.0.1:8100", "http://10.0.1.2:8200"]
     assert discovery.groups[0].lookups == {"ok": 1, "empty": 0, "failed": 1}

@@ -29,16 +29,6 @@ URL = "http://127.0.0.1:9001"
 USED = "{pdr}:used"
 
 
-@pytest.fixture
-async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis(parse_url(redis_server.url), timeout=1.0)
-    await client.call("FLUSHALL")
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 @asynccontextmanager
 async def router(
     server: RedisServer, slots: int = 1, lease: float = 10.0

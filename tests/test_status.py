@@ -296,3 +296,33 @@ def test_from_admin() -> None:
     assert from_admin(document).nodes == [
         NodeRow(4, "decode", "http://d0:8200", "serving", 8, 2, 0, {"zone": "b"}, 2, None)
     ]
+
+
+def test_with_a_shared_state_requests_are_every_routers() -> None:
+    node = {
+        "id": 1,
+        "url": "http://d0:8200",
+        "role": "decode",
+        "state": "serving",
+        "slots": 8,
+        "in_use": 1,
+        "bound_requests": ["a"],
+        "consecutive_failures": 0,
+        "in_flight_by_router": {"r1": 1, "r2": 4},
+        "fleet_in_flight": 5,
+    }
+    document = {
+        "nodes": [node],
+        "queue_depth": 0,
+        "in_flight": 1,
+        "routers": {"r2": 4, "r1": 1, "r3": 0},
+    }
+    snapshot = from_admin(document)
+    assert snapshot.nodes[0].requests == 5
+    table = format_table(snapshot, "http://r:8000").splitlines()
+    assert table[0].endswith("0 queued, 5 in flight on 3 routers")
+    assert table[-3:] == [
+        "router r1: 1 in flight",
+        "router r2: 4 in flight",
+        "router r3: 0 in flight",
+    ]

@@ -122,6 +122,8 @@ def test_both_workers_serve(fleet: SimFleet, redis_server: RedisServer) -> None:
         assert statuses == [200] * 40
         wait_for(lambda: len(served_by(router)) == 40, what="40 request lines")
         assert set(served_by(router)) == {1, 2}
+        # The engines are probed once for the fleet, not once per worker.
+        assert len(re.findall(r"worker=\d .*probes the engines for the fleet", router.log())) == 1
 
 
 @pytest.mark.parametrize(
