@@ -97,6 +97,12 @@ def _redis(state_url: str, *command: str) -> Any:
     return anyio.run(call)
 
 
+def flush_state(state_url: str) -> None:
+    """Empty the store: the routers started next are a new deployment. (The fleet kept
+    there outlives every router, slots included, so a test's flags would not count.)"""
+    _redis(state_url, "FLUSHALL")
+
+
 def slots_in_use(state_url: str) -> int:
     """Decode slots the routers sharing ``state_url`` (``--state``) hold, by Redis's count."""
     return sum(int(value) for value in _redis(state_url, "HVALS", "{pdr}:used"))

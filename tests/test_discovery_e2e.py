@@ -26,7 +26,7 @@ import pytest
 from pd_router.redis_client import Redis, parse_url
 from pd_router.sim.fleet import EngineProcess, ServerProcess
 from tests.dns_server import DnsServer
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, flush_state, wait_for
 from tests.redis_server import RedisServer
 
 TOKEN = "s3cret"
@@ -317,6 +317,7 @@ def test_routers_sharing_a_pool_discover_the_same_engines_by_address(
     a burst through both never puts more on an engine than its slots, before and after a
     scale-up."""
     prefill, decode = engines
+    flush_state(redis_server.url)
     dns.set(records(prefill, decode[:1]))
     with ExitStack() as stack:
         routers = [
@@ -367,7 +368,7 @@ def test_routers_sharing_the_fleet_agree_on_discovered_nodes_and_scale_down_unde
     scale-down drains the leaving engine on all of them without failing a request; an
     address back after its removal keeps its id (ids belong to role and URL)."""
     prefill, decode = engines
-    anyio.run(flush, redis_server.url)
+    flush_state(redis_server.url)
     dns.set(records(prefill, decode[:2]))
     with ExitStack() as stack:
         routers = [
@@ -413,11 +414,6 @@ def test_routers_sharing_the_fleet_agree_on_discovered_nodes_and_scale_down_unde
         logs = "".join(router.log() for router in routers)
     assert all(load.failures == [] for load in loads), [load.failures[:3] for load in loads]
     assert "drained and removed" in logs and "failing its" not in logs, logs
-
-
-async def flush(url: str) -> None:
-    async with Redis(parse_url(url), timeout=2.0) as redis:
-        await redis.call("FLUSHALL")
 
 
 async def registered(url: str) -> dict[str, int]:

@@ -16,7 +16,14 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RawClient, RouterProcess, queued, slots_in_use, wait_for
+from tests.helpers import (
+    RawClient,
+    RouterProcess,
+    flush_state,
+    queued,
+    slots_in_use,
+    wait_for,
+)
 from tests.redis_server import RedisServer
 
 STREAM = {"model": "sim-model", "prompt": "hello shared pool", "max_tokens": 20, "stream": True}
@@ -33,6 +40,7 @@ def routers(
     fleet: SimFleet, server: RedisServer, count: int, *args: str
 ) -> Iterator[list[RouterProcess]]:
     engines = [e.url for e in fleet.prefill], [e.url for e in fleet.decode]
+    flush_state(server.url)
     with ExitStack() as stack:
         started = [
             stack.enter_context(RouterProcess(*engines, "--state", server.url, *args))

@@ -11,13 +11,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 
-from pd_router.redis_client import Redis, parse_url
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, flush_state, wait_for
 from tests.redis_server import RedisServer
 from tests.test_fleet_e2e import Stream, echo
 from tests.test_status import rows, status
@@ -37,11 +35,7 @@ def engines() -> Iterator[SimFleet]:
 
 @pytest.fixture
 def state(redis_server: RedisServer) -> str:
-    async def flush() -> None:
-        async with Redis(parse_url(redis_server.url), timeout=2.0) as redis:
-            await redis.call("FLUSHALL")
-
-    anyio.run(flush)
+    flush_state(redis_server.url)
     return redis_server.url
 
 

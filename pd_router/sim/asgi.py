@@ -74,6 +74,8 @@ class Exchange:
         self._send = send
         self.started = False
         self.disconnected = False
+        # Called once, as the response's last byte is handed to the server.
+        self.on_last_byte: Callable[[], None] | None = None
 
     @property
     def method(self) -> str:
@@ -130,6 +132,9 @@ class Exchange:
         await self.start(200, list(_SSE_HEADERS))
 
     async def send_body(self, data: bytes, more: bool) -> None:
+        if not more and self.on_last_byte is not None:
+            self.on_last_byte()
+            self.on_last_byte = None
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def respond_truncated(self, payload: JSON) -> None:

@@ -186,10 +186,22 @@ class Engine:
         self.counters.requests += 1
         self.active += 1
         self.counters.peak_active = max(self.counters.peak_active, self.active)
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.active -= 1
+
+        # A sequence ends as its last byte leaves, not when this task next runs: on a busy
+        # machine the client may have that byte, and have sent the next request, before
+        # then, and ``peak_active`` would count both, as if a router had exceeded its slots.
+        exchange.on_last_byte = end
         try:
             outcome = await self._serve(exchange, request_id, chat)
         finally:
-            self.active -= 1
+            end()
         if outcome is None:
             self.counters.aborted += 1
         elif outcome is Outcome.COMPLETED:
