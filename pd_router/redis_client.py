@@ -47,6 +47,9 @@ from . import resp
 
 DEFAULT_PORT = 6379
 MAX_CONNECTIONS = 16
+# Seconds between tries of a command that must reach Redis while Redis is away: its
+# users keep what they must send and try again, never give up.
+RETRY = 0.5
 
 Arg = bytes | str | int | float
 

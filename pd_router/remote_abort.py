@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import orjson
 
-from .redis_client import Redis, RedisError, RedisUnavailable
+from .redis_client import RETRY, Redis, RedisError, RedisUnavailable
 
 log = logging.getLogger("pd_router.remote_abort")
 
@@ -26,7 +26,6 @@ CHANNEL = "{pdr}:abort"
 REPLIES = "{pdr}:abort-reply:"
 # Every router answers within a round trip of Redis; a second covers a busy one.
 WAIT = 1.0
-RETRY = 0.5
 
 # An abort done here: (status, document) as the admin API answers it; 404: not held here.
 Outcome = tuple[int, dict[str, Any]]

@@ -44,7 +44,7 @@ from .errors import StateUnavailable
 from .fleet import Fleet
 from .membership import Background, Record, Verdict, apply
 from .nodes import Node, Role, State
-from .redis_client import RedisError, RedisUnavailable, Script
+from .redis_client import RETRY, RedisError, RedisUnavailable, Script
 from .shared_pool import SharedPool
 
 log = logging.getLogger("pd_router.shared_fleet")
@@ -53,7 +53,6 @@ log = logging.getLogger("pd_router.shared_fleet")
 RECONCILE = 5.0
 # Seconds between looks at this router's requests per node (written only when changed).
 IN_FLIGHT_EVERY = 1.0
-RETRY = 0.5
 
 _NODES = Script(scripts.NODES)
 _ADMIN = Script(scripts.ADMIN)

@@ -37,15 +37,13 @@ from . import shared_scripts as scripts
 from .errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
 from .nodes import Node
 from .pool import DecodePool, Reservation, Waiter
-from .redis_client import Redis, RedisError, RedisUnavailable, Script
+from .redis_client import RETRY, Redis, RedisError, RedisUnavailable, Script
 
 log = logging.getLogger("pd_router.shared_pool")
 
 # Seconds a router's slots outlive it. Renewed every third of it: two renewals may fail
 # (a slow Redis, a stalled loop) before the lease ends.
 LEASE = 10.0
-# Between tries of a release or a renewal while Redis is away.
-RETRY = 0.5
 # Releases sent in one round trip at most (a script's arguments stay small).
 RELEASE_BATCH = 256
 
