@@ -94,8 +94,12 @@ class ServerProcess:
         except FileNotFoundError:
             return ""
 
-    def wait_healthy(self, timeout: float = 20.0) -> None:
-        """Block until GET /health answers 200; raises RuntimeError with the engine's log."""
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Block until GET /health answers 200; raises RuntimeError with the engine's log.
+
+        The default is generous because a healthy process returns as soon as it answers,
+        and a CI run saw a router print nothing for its first 20 s while the machine
+        stalled."""
         deadline = time.monotonic() + timeout
         attempts = 1
         while True:
