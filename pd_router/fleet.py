@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from .errors import NodeDead, RouterError, Stalled, Unavailable
+from .errors import NodeDead, RouterError, Stalled
 from .nodes import Failure, HealthPolicy, Node, Role, State
 from .pool import DecodePool
 from .prefill_policy import DEFAULT_POLICY, POLICIES
@@ -243,13 +243,12 @@ class Fleet:
             binding.handle.fail(error)
 
     def _changed(self) -> None:
-        """A node's state changed: what new requests may land on, and the queue, follow."""
+        """A node's state or models changed: what new requests may land on, and the queues,
+        follow."""
         self.prefill.refresh()
         self.pool.refresh()
-        if self.pool.live:
-            self.pool.wake()
-        else:
-            self.pool.fail_waiters(Unavailable("no live decode node"))
+        self.pool.wake()
+        self.pool.fail_stranded()
 
     def fail_bound(
         self,

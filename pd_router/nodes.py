@@ -95,6 +95,9 @@ class Node:
     # Where the node came from: "static" (the settings), "admin" (POST /admin/nodes) or the
     # DNS name that lists it ("dns:vllm-decode:8200").
     source: str = "static"
+    # The models the engine serves, from its /v1/models (``models.py``); None until known,
+    # and a node whose models are not known is taken to serve any.
+    models: frozenset[str] | None = None
 
     @property
     def free(self) -> int:
@@ -103,6 +106,10 @@ class Node:
     @property
     def serving(self) -> bool:
         return self.state is State.SERVING
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for ``model`` (None: no model asked) may land here."""
+        return model is None or self.models is None or model in self.models
 
     def failed(self, failure: Failure, policy: HealthPolicy) -> State | None:
         """Count a failure; the node's new state when this changed it."""

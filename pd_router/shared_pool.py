@@ -36,7 +36,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import shared_scripts as scripts
 from .errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
 from .nodes import Node
-from .pool import DecodePool, Reservation, Waiter
+from .pool import DecodePool, Reservation, Waiter, no_live
 from .redis_client import RETRY, Redis, RedisError, RedisUnavailable, Script
 
 log = logging.getLogger("pd_router.shared_pool")
@@ -93,23 +93,25 @@ class SharedPool(DecodePool):
             ("the shared state's releases", self._work),
         ]
 
-    def try_acquire(self, avoid: Node | None = None) -> Reservation | None:
+    def try_acquire(self, avoid: Node | None = None, model: str | None = None) -> Reservation | None:
         return None  # every reservation is Redis's to grant: ``acquire_now``
 
-    async def acquire_now(self, avoid: Node | None = None) -> Reservation | None:
-        reply = await self._acquire(secrets.token_hex(8), False, avoid)
+    async def acquire_now(
+        self, avoid: Node | None = None, model: str | None = None
+    ) -> Reservation | None:
+        reply = await self._acquire(secrets.token_hex(8), False, avoid, model)
         return reply if isinstance(reply, Reservation) else None
 
-    async def acquire(self, timeout: float) -> Reservation:
-        if not self.live:
-            raise Unavailable("no live decode node")
+    async def acquire(self, timeout: float, model: str | None = None) -> Reservation:
+        if not self.live_for(model):
+            raise Unavailable(no_live(model))
         resid = secrets.token_hex(8)
         started = anyio.current_time()
         # Known before Redis can hand it a slot: the listener may hear of the grant before
         # this task hears the script's own reply.
-        waiter = self._waiting[resid] = Waiter()
+        waiter = self._waiting[resid] = Waiter(model)
         try:
-            reply = await self._acquire(resid, timeout > 0, None)
+            reply = await self._acquire(resid, timeout > 0, None, model)
             if isinstance(reply, Reservation):
                 return reply
             if reply == "busy":
@@ -149,6 +151,12 @@ class SharedPool(DecodePool):
                 waiter.error = error
                 waiter.event.set()
 
+    def fail_stranded(self) -> None:
+        for waiter in self._waiting.values():
+            if waiter.node is None and waiter.error is None and not self.live_for(waiter.model):
+                waiter.error = Unavailable(no_live(waiter.model))
+                waiter.event.set()
+
     def _give_back(self, reservation: Reservation) -> None:
         """Synchronous, for a ``finally`` in a cancelled scope: Redis hears of it from the
         release worker."""
@@ -160,8 +168,15 @@ class SharedPool(DecodePool):
 
     # ------------------------------------------------------------------ Redis
 
-    async def _acquire(self, resid: str, may_queue: bool, avoid: Node | None) -> Any:
-        urls = [node.url for node in self.nodes if node.state in self.usable and node is not avoid]
+    async def _acquire(
+        self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
+    ) -> Any:
+        accept = self.accept(model)
+        urls = [
+            node.url
+            for node in self.nodes
+            if node.state in accept and node is not avoid and node.serves(model)
+        ]
         args = [self.router_id, resid, "1" if may_queue else "0", *urls]
         started = anyio.current_time()
         # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
