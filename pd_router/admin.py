@@ -49,6 +49,8 @@ def node_view(node: Node) -> dict[str, Any]:
         "last_error": node.last_error,
         "labels": node.labels,
         "source": node.source,
+        # None until the node's /v1/models has been read (it may serve any model till then).
+        "models": None if node.models is None else sorted(node.models),
     }
 
 

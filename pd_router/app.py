@@ -23,7 +23,7 @@ from .admin import abort_here, admin_routes
 from .discovery import Discovery
 from .discovery_loop import discover_forever
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
-from .health import probe, probe_forever, supervise, watch_stalls
+from .health import probe, probe_forever, supervise, watch_models, watch_stalls
 from .lag import LoopLag
 from .membership import LocalMembership, Membership
 from .nodes import Node
@@ -182,6 +182,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         membership.may_probe,
                     )
                     tg.start_soon(supervise, "the prober", prober)
+                    learn = partial(watch_models, fleet, router.upstream, options.health_interval)
+                    tg.start_soon(supervise, "the model watch", learn)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)

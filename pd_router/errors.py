@@ -100,6 +100,18 @@ class NoRoute(BadRequest):
         self.code = "method_not_allowed" if status == 405 else "not_found"
 
 
+class ModelNotFound(BadRequest):
+    """A ``model`` no prefill or no decode node serves (OpenAI's own answer to an unknown
+    model is this 404)."""
+
+    status = 404
+    code = "model_not_found"
+    outcome = "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
 class HeadTooLarge(BadRequest):
     """A request line and headers over ``--max-header-bytes`` (``client_protocol.py``)."""
 

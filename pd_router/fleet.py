@@ -193,6 +193,15 @@ class Fleet:
             self._changed()
             self.on_verdict(node)
 
+    def learned(self, node: Node, models: frozenset[str]) -> None:
+        """The models ``node``'s engine serves, as it listed them just now."""
+        if node.models == models:
+            return
+        verb = "serves" if node.models is None else "now serves"
+        node.models = models
+        log.info("%s node %s (%s) %s: %s", *_named(node), verb, ", ".join(sorted(models)))
+        self._changed()
+
     # What another router found (``--state``): the same consequences, no echo
 
     def told(self, node: Node, state: State, reason: str | None, message: str) -> None:

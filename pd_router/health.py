@@ -1,9 +1,10 @@
-"""Liveness at run time: the prober, the stall watch, and the supervision of every task
-that lives as long as the app.
+"""Liveness at run time: the prober, the stall watch, the model watch, and the supervision
+of every task that lives as long as the app.
 
 The prober GETs every node's ``/health`` every ``interval`` seconds, each bounded by
 ``timeout``; the stall watch looks at the streams' progress every tick (``stall.py``).
-Both report to the fleet, which decides what a node's state becomes (``nodes.py``).
+Both report to the fleet, which decides what a node's state becomes (``nodes.py``). The
+model watch reads each node's ``/v1/models`` (``models.py``).
 Nothing here may end for good: an error probing one node counts against that node only,
 and a task that fails anyway is restarted with a log line.
 """
@@ -15,7 +16,8 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from . import stall
+from . import models, stall
+from .errors import UpstreamError
 from .fleet import Fleet
 from .lag import LoopLag
 from .nodes import Evidence, Failure, Node
@@ -87,6 +89,39 @@ async def watch_stalls(fleet: Fleet, timeout: float) -> None:
         for node, silent in stall.hung(fleet.bindings.values(), elapsed, timeout).items():
             seconds = max(binding.silent for binding in silent)
             fleet.stalled(node, silent, seconds, hold=timeout)
+
+
+async def watch_models(fleet: Fleet, upstream: Upstream, tick: float = 1.0) -> None:
+    """Learn each node's models: a new node's within ``tick``, then every ``REFRESH`` s.
+
+    Every router does its own reading (with ``--state`` too): it is one small GET per node
+    every half minute, and needs no agreement."""
+    due: dict[Node, float] = {}
+    while True:
+        now = anyio.current_time()
+        nodes = fleet.nodes
+        due = {node: due.get(node, now) for node in nodes}  # removed nodes forgotten
+        async with anyio.create_task_group() as tg:
+            for node in nodes:
+                if due[node] <= now:
+                    due[node] = now + models.RETRY  # until the read succeeds
+                    tg.start_soon(learn_models, fleet, upstream, node, due)
+        await anyio.sleep(tick)
+
+
+async def learn_models(
+    fleet: Fleet, upstream: Upstream, node: Node, due: dict[Node, float]
+) -> None:
+    with anyio.move_on_after(models.TIMEOUT):
+        try:
+            learned = models.parse(await upstream.get_json(node.url + "/v1/models"))
+        except (UpstreamError, ValueError) as exc:
+            if node.models is None:
+                log.debug("%s node %s: models not known yet: %s", node.role, node.id, exc)
+            return
+        if node in fleet.nodes:
+            fleet.learned(node, learned)
+            due[node] = anyio.current_time() + models.REFRESH
 
 
 async def supervise(

@@ -48,5 +48,13 @@ def configure(level: str, fmt: str) -> None:
 
 def request_finished(fields: dict[str, Any]) -> None:
     if access.isEnabledFor(logging.INFO):
-        text = " ".join(f"{key}={value}" for key, value in fields.items())
+        text = " ".join(f"{key}={_shown(value)}" for key, value in fields.items())
         access.info("request %s", text, extra={"fields": fields})
+
+
+def _shown(value: object) -> object:
+    """A client's string (a model name) quoted when it has spaces or control characters,
+    so that it cannot pass for other fields or another line."""
+    if isinstance(value, str) and (not value.isprintable() or " " in value):
+        return orjson.dumps(value).decode()
+    return value

@@ -38,6 +38,7 @@ OUTCOMES = (
     "aborted",
     "shutting_down",
     "bad_request",
+    "model_not_found",
     "timeout",
     "stalled",
     "state_unavailable",

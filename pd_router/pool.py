@@ -128,7 +128,9 @@ class DecodePool:
         """A node's state or models changed, or nodes came or went."""
         self.usable = usable(self.nodes)
 
-    def try_acquire(self, avoid: Node | None = None, model: str | None = None) -> Reservation | None:
+    def try_acquire(
+        self, avoid: Node | None = None, model: str | None = None
+    ) -> Reservation | None:
         """A slot now on a node serving ``model``, not ``avoid``, or None. Never overtakes a
         waiter that node could serve."""
         node = self._pick(model, avoid)

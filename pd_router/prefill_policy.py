@@ -123,7 +123,8 @@ class RecentPrefixes:
 
 
 class PrefillPolicy:
-    """Picks among the usable prefill nodes (``nodes.usable``), never ``avoid``."""
+    """Picks among the usable prefill nodes that serve the request's model (``usable`` over
+    the nodes serving it, as the decode pool does), never ``avoid``."""
 
     name: ClassVar[str]
 
@@ -136,8 +137,13 @@ class PrefillPolicy:
         """A node's state changed, or a node came or went."""
         self.usable = usable(self.nodes)
 
-    def pick(self, key: int, avoid: Node | None = None) -> Node | None:
-        live = [node for node in self.nodes if node.state in self.usable and node is not avoid]
+    def pick(self, key: int, avoid: Node | None = None, model: str | None = None) -> Node | None:
+        nodes = self.nodes
+        accept = self.usable
+        if not all(node.serves(model) for node in nodes):
+            nodes = [node for node in nodes if node.serves(model)]
+            accept = usable(nodes)
+        live = [node for node in nodes if node.state in accept and node is not avoid]
         return self._choose(key, live) if live else None
 
     def _choose(self, key: int, live: list[Node]) -> Node:

@@ -38,7 +38,7 @@ import anyio
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from . import handshake, logs
+from . import handshake, logs, models
 from .discovery import Discovery
 from .errors import (
     InternalError,
@@ -109,6 +109,8 @@ class Relay:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
+        # Validated: a non-empty string (``validation.py``).
+        self.model: str = body["model"]
         self.request_id = router.fleet.admit(request_id, self)
         self.stream = bool(body.get("stream"))
         self.client_gone = False
@@ -169,6 +171,7 @@ class Relay:
             {
                 "request_id": self.request_id,
                 "endpoint": self.endpoint,
+                "model": self.model[: models.MAX_ID],
                 "outcome": self.outcome,
                 "status": client.status,
                 "stream": self.stream,
@@ -217,7 +220,8 @@ class Relay:
         fleet = router.fleet
         # Unwound in reverse: engine connections closed, binding removed, slot released.
         # ``reserve`` puts the reservation inside the ``try`` that releases it (pool.py).
-        async with fleet.pool.reserve(router.settings.queue_timeout) as reservation:
+        models.check(self.model, fleet.prefill.nodes, fleet.pool.nodes)
+        async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation
             try:
                 self._queued = time.perf_counter() - self._arrived
@@ -280,7 +284,7 @@ class Relay:
         # other decode node with a free slot can take it, now.
         pool = self.router.fleet.pool
         self._reservation.release()
-        other = await pool.acquire_now(avoid=first)
+        other = await pool.acquire_now(avoid=first, model=self.model)
         if other is None:
             if not pool.live:
                 raise Unavailable("no live decode node")
@@ -295,14 +299,14 @@ class Relay:
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        first = prefill.pick(key)
+        first = prefill.pick(key, model=self.model)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
             return await self._prefill_on(first, binding, key)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
-            second = prefill.pick(key, avoid=first) if retry else None
+            second = prefill.pick(key, avoid=first, model=self.model) if retry else None
             if second is None:
                 raise
             log.warning(

@@ -93,7 +93,9 @@ class SharedPool(DecodePool):
             ("the shared state's releases", self._work),
         ]
 
-    def try_acquire(self, avoid: Node | None = None, model: str | None = None) -> Reservation | None:
+    def try_acquire(
+        self, avoid: Node | None = None, model: str | None = None
+    ) -> Reservation | None:
         return None  # every reservation is Redis's to grant: ``acquire_now``
 
     async def acquire_now(

@@ -231,7 +231,7 @@ def test_unreachable_prefill_is_a_clear_502(sims: SimFleet) -> None:
     # Nothing listens on port 9 (discard) on loopback.
     with RouterProcess(["http://127.0.0.1:9"], [sims.decode[0].url]) as router:
         response = httpx.post(
-            f"{router.url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30
+            f"{router.url}/v1/completions", json={"model": "sim-model", "prompt": "x"}, timeout=30
         )
         assert response.status_code == 502
         message = response.json()["error"]["message"]

@@ -397,3 +397,16 @@ async def test_a_conversation_returns_to_its_prefill_node_and_the_log_says_hit(
     assert f"prefill_node={node} prefix_hit=True" in lines[1]
     assert router.telemetry.prefill_picks == {("prefix", "miss"): 1, ("prefix", "hit"): 1}
     assert not any(node.bound for node in router.fleet.prefill.nodes), "no prefill outstanding"
+
+
+async def test_a_model_name_cannot_forge_fields_or_lines_in_the_request_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    router = make_router(ScriptedUpstream())
+    caplog.set_level("INFO", logger="pd_router.access")
+    body = {"model": "m outcome=ok\nrequest 2", "prompt": "hi"}
+    client = Client()
+    await Relay(router, "completions", body, "r")({}, client.receive, client.send)  # type: ignore
+    (line,) = (record.getMessage() for record in caplog.records)
+    assert "\n" not in line
+    assert ' model="m outcome=ok\\nrequest 2" outcome=ok ' in line
