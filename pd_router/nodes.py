@@ -281,3 +281,20 @@ def usable(nodes: Sequence[Node]) -> tuple[State, ...]:
     if any(node.state is State.SERVING for node in nodes):
         return (State.SERVING,)
     return (State.SERVING, State.UNHEALTHY)
+
+
+# Models whose usable states are kept between refreshes (``usable_for``), at most.
+MODEL_CACHE = 64
+
+
+def usable_for(
+    nodes: Sequence[Node], model: str, cache: dict[str, tuple[State, ...]]
+) -> tuple[State, ...]:
+    """``usable`` over the nodes serving ``model``: the unhealthy fallback is per model.
+    Kept in ``cache``, which its owner empties whenever a node's state or models change."""
+    found = cache.get(model)
+    if found is None:
+        found = usable([node for node in nodes if node.serves(model)])
+        if len(cache) < MODEL_CACHE:
+            cache[model] = found
+    return found

@@ -37,7 +37,7 @@ from contextlib import asynccontextmanager
 import anyio
 
 from .errors import Busy, QueueTimeout, RouterError, Unavailable, fresh
-from .nodes import Node, State, usable
+from .nodes import Node, State, usable, usable_for
 
 
 class Reservation:
@@ -73,6 +73,7 @@ class DecodePool:
         self.nodes = list(nodes)
         # The states a new request may land on (``nodes.usable``); the fleet refreshes it.
         self.usable = usable(self.nodes)
+        self._accepts: dict[str, tuple[State, ...]] = {}
         # One FIFO per model asked for (None: any model); empty ones are dropped.
         self._queues: dict[str | None, deque[Waiter]] = {}
         self._arrivals = itertools.count()
@@ -105,11 +106,7 @@ class DecodePool:
 
     def accept(self, model: str | None) -> tuple[State, ...]:
         """The states a request for ``model`` may land on: ``usable`` over its nodes."""
-        if self.usable == (State.SERVING,) and any(
-            node.serving and node.serves(model) for node in self.nodes
-        ):
-            return self.usable  # the common case, without building a list
-        return usable([node for node in self.nodes if node.serves(model)])
+        return self.usable if model is None else usable_for(self.nodes, model, self._accepts)
 
     # Whether new requests can be served at all (the shared pool's store may be away).
     available = True
@@ -127,6 +124,7 @@ class DecodePool:
     def refresh(self) -> None:
         """A node's state or models changed, or nodes came or went."""
         self.usable = usable(self.nodes)
+        self._accepts.clear()
 
     def try_acquire(
         self, avoid: Node | None = None, model: str | None = None
@@ -134,7 +132,7 @@ class DecodePool:
         """A slot now on a node serving ``model``, not ``avoid``, or None. Never overtakes a
         waiter that node could serve."""
         node = self._pick(model, avoid)
-        if node is None or self._first_for(node) is not None:
+        if node is None or (self._queues and self._first_for(node) is not None):
             return None
         node.in_use += 1
         self.acquired += 1

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from .nodes import Node, usable
+from .nodes import Node, State, usable, usable_for
 
 # Leading characters of a prompt (and of each message) that make its key. A conversation's
 # every turn starts with its first turn, so turns share the key whenever that first turn is
@@ -131,19 +131,21 @@ class PrefillPolicy:
     def __init__(self, nodes: Sequence[Node]) -> None:
         self.nodes = list(nodes)
         self.usable = usable(self.nodes)
+        self._accepts: dict[str, tuple[State, ...]] = {}
         self.recent = RecentPrefixes()
 
     def refresh(self) -> None:
-        """A node's state changed, or a node came or went."""
+        """A node's state or models changed, or a node came or went."""
         self.usable = usable(self.nodes)
+        self._accepts.clear()
 
     def pick(self, key: int, avoid: Node | None = None, model: str | None = None) -> Node | None:
-        nodes = self.nodes
-        accept = self.usable
-        if not all(node.serves(model) for node in nodes):
-            nodes = [node for node in nodes if node.serves(model)]
-            accept = usable(nodes)
-        live = [node for node in nodes if node.state in accept and node is not avoid]
+        accept = self.usable if model is None else usable_for(self.nodes, model, self._accepts)
+        live = [
+            node
+            for node in self.nodes
+            if node.state in accept and node is not avoid and node.serves(model)
+        ]
         return self._choose(key, live) if live else None
 
     def _choose(self, key: int, live: list[Node]) -> Node:
