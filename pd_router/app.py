@@ -23,7 +23,7 @@ from .admin import abort_here, admin_routes
 from .discovery import Discovery
 from .discovery_loop import discover_forever
 from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
-from .health import probe, probe_forever, supervise, watch_models, watch_stalls
+from .health import learn_models, probe, probe_forever, supervise, watch_models, watch_stalls
 from .lag import LoopLag
 from .membership import LocalMembership, Membership
 from .nodes import Node
@@ -251,6 +251,8 @@ async def _discover(
     fleet = router.fleet
 
     async def admit(node: Node) -> None:
+        # Its models first: the good probe makes it serving.
+        await learn_models(fleet, router.upstream, node)
         await probe(fleet, router.upstream, node, options.health_timeout, lag)
 
     await discover_forever(discovery, fleet, membership, resolver.lookup, admit)

@@ -97,6 +97,11 @@ async def watch_models(fleet: Fleet, upstream: Upstream, tick: float = 1.0) -> N
     Every router does its own reading (with ``--state`` too): it is one small GET per node
     every half minute, and needs no agreement."""
     due: dict[Node, float] = {}
+
+    async def learn(node: Node) -> None:
+        if await learn_models(fleet, upstream, node):
+            due[node] = anyio.current_time() + models.REFRESH
+
     while True:
         now = anyio.current_time()
         nodes = fleet.nodes
@@ -104,24 +109,24 @@ async def watch_models(fleet: Fleet, upstream: Upstream, tick: float = 1.0) -> N
         async with anyio.create_task_group() as tg:
             for node in nodes:
                 if due[node] <= now:
-                    due[node] = now + models.RETRY  # until the read succeeds
-                    tg.start_soon(learn_models, fleet, upstream, node, due)
+                    due[node] = now + models.RETRY  # unless the read succeeds
+                    tg.start_soon(learn, node)
         await anyio.sleep(tick)
 
 
-async def learn_models(
-    fleet: Fleet, upstream: Upstream, node: Node, due: dict[Node, float]
-) -> None:
+async def learn_models(fleet: Fleet, upstream: Upstream, node: Node) -> bool:
+    """Read ``node``'s ``/v1/models`` and tell the fleet; False if it did not answer well."""
     with anyio.move_on_after(models.TIMEOUT):
         try:
             learned = models.parse(await upstream.get_json(node.url + "/v1/models"))
         except (UpstreamError, ValueError) as exc:
             if node.models is None:
                 log.debug("%s node %s: models not known yet: %s", node.role, node.id, exc)
-            return
+            return False
         if node in fleet.nodes:
             fleet.learned(node, learned)
-            due[node] = anyio.current_time() + models.REFRESH
+        return True
+    return False
 
 
 async def supervise(
