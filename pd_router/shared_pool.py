@@ -6,8 +6,10 @@ around them and the waiting, with the in-process pool's contract (``pool.py``) k
 * ``acquire`` returns a reservation or raises having taken nothing. The script that takes
   a slot runs shielded: a cancellation that arrived meanwhile is delivered after the
   reservation is in hand, inside the ``try`` of ``reserve`` that releases it.
-* A waiter is an entry in Redis's queue, first come first served across routers. The
-  script that frees a slot hands it to the oldest waiter and publishes it; this router's
+* A waiter is an entry in Redis's queue for its model, first come first served across
+  routers; a burst on one model queues nobody asking for another. The script that frees a
+  slot hands it to the oldest waiter among the models its node serves (this router says
+  which, from its nodes' models and states: ``_takes``) and publishes it; this router's
   listener wakes the waiter. A waiter that times out or is cancelled leaves the queue in
   one script, which also says whether a slot reached it meanwhile: kept on a timeout (as
   the in-process pool does), given back on a cancellation.
@@ -35,7 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from . import shared_scripts as scripts
 from .errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
-from .nodes import Node
+from .nodes import Node, usable
 from .pool import DecodePool, Reservation, Waiter, no_live
 from .redis_client import RETRY, Redis, RedisError, RedisUnavailable, Script
 
@@ -126,9 +128,9 @@ class SharedPool(DecodePool):
                     await waiter.event.wait()
                 if waiter.node is None:
                     # Timed out, or told to fail: one script says if a slot came meanwhile.
-                    waiter.node = await self._leave(resid) or waiter.node
+                    waiter.node = await self._leave(resid, model) or waiter.node
             except BaseException:
-                node = waiter.node or await self._leave(resid)
+                node = waiter.node or await self._leave(resid, model)
                 if node is not None:
                     self._send(("release", resid, node.url))
                 raise
@@ -174,12 +176,13 @@ class SharedPool(DecodePool):
         self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
     ) -> Any:
         accept = self.accept(model)
-        urls = [
-            node.url
+        nodes = [
+            node
             for node in self.nodes
             if node.state in accept and node is not avoid and node.serves(model)
         ]
-        args = [self.router_id, resid, "1" if may_queue else "0", *urls]
+        args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
+        args += self._takes(nodes)
         started = anyio.current_time()
         # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
         with anyio.CancelScope(shield=True):
@@ -195,11 +198,11 @@ class SharedPool(DecodePool):
             return self._hold(resid, node, anyio.current_time() - started)
         return reply[0].decode()
 
-    async def _leave(self, resid: str) -> Node | None:
+    async def _leave(self, resid: str, model: str | None) -> Node | None:
         """Out of the queue; the node of the slot that reached the waiter meanwhile, if one did."""
         with anyio.CancelScope(shield=True):
             try:
-                reply = await self._run(_ABANDON, [self.router_id, resid])
+                reply = await self._run(_ABANDON, [self.router_id, resid, _key(model)])
             except Unavailable:
                 # The entry stays; a slot handed to it comes back through the listener.
                 return None
@@ -244,7 +247,12 @@ class SharedPool(DecodePool):
         if self.before_register is not None:
             await self.before_register()
         held = [item for r in self._held.values() for item in (r.id, r.node.url)]
-        waiting = [resid for resid in self._queued if self._waiting[resid].node is None]
+        waiting = [  # oldest first: ``_waiting`` is in arrival order
+            item
+            for resid, waiter in self._waiting.items()
+            if resid in self._queued and waiter.node is None
+            for item in (resid, _key(waiter.model))
+        ]
         args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]
         await self._run(_REGISTER, args)
 
@@ -300,30 +308,57 @@ class SharedPool(DecodePool):
                     batch.append(self._pending.receive_nowait())
                 except anyio.WouldBlock:
                     break
-            releases = [
-                item
-                for kind, resid, url in batch
-                if kind == "release"
-                for item in (resid, "1" if self._takes_new(url) else "0")
-            ]
+            releases = [(resid, url) for kind, resid, url in batch if kind == "release"]
+            urls = {url for _, url in releases}
             renew = any(kind == "renew" for kind, _, _ in batch)
             while True:
                 try:
                     if releases:
-                        await self._run(_RELEASE, [self.router_id, *releases])
+                        # The released slots' nodes as they are now: whose waiters they take.
+                        nodes = [node for node in self.nodes if node.url in urls]
+                        args = [self.router_id, *self._takes(nodes), *(r for r, _ in releases)]
+                        await self._run(_RELEASE, args)
                     if renew:
                         await self._renew()
                     break
                 except Unavailable:
                     await anyio.sleep(RETRY)
 
-    def _takes_new(self, url: str) -> bool:
-        node = self._by_url(url)
-        return node is not None and node.state in self.usable
+    def _takes(self, nodes: Sequence[Node]) -> list[str]:
+        """Those of ``nodes`` that take waiters now and which each takes, for the scripts (a
+        list of nodes: ``shared_scripts``). As in-process (``DecodePool._first_for``), a
+        node takes a waiter for a model it serves while its state is one that model
+        accepts; a slot freed on a node left out goes back to it."""
+        out, count = [], 0
+        for node in nodes:
+            plus, models = self._models_taken(node)
+            if models or not plus:
+                out += [node.url, "+" if plus else "-", str(len(models)), *models]
+                count += 1
+        return [str(count), *out]
+
+    def _models_taken(self, node: Node) -> tuple[bool, list[str]]:
+        """(True, the models whose waiters ``node`` takes) or (False, the models whose
+        waiters it does not take: it takes every other); "" for the waiters that asked for
+        no model."""
+        if node.state in self.usable:  # in every model's ``accept``: its models, all of them
+            if node.models is None:
+                return False, []
+            return True, ["", *sorted(node.models)]
+        # Usable only for the models that no serving node serves: ``accept`` says which.
+        known = {model for other in self.nodes for model in other.models or ()}
+        served = sorted(known if node.models is None else node.models)
+        taken = [model for model in served if node.state in self.accept(model)]
+        if node.models is not None or node.state not in usable(
+            [other for other in self.nodes if other.models is None]
+        ):
+            return True, taken
+        # Any model no node names: the nodes that serve it are those whose models are unknown.
+        return False, ["", *sorted(set(served) - set(taken))]
 
     async def _renew(self) -> None:
-        usable = [node.url for node in self.nodes if node.state in self.usable]
-        known, reclaimed = await self._run(_RENEW, [*self._lease_and_slots(), *usable])
+        args = [*self._lease_and_slots(), *self._takes(self.nodes)]
+        known, reclaimed = await self._run(_RENEW, args)
         if not known:
             await self._register()
         if reclaimed:
@@ -331,3 +366,8 @@ class SharedPool(DecodePool):
 
 
 Job = tuple[str, str, str]  # ("release", reservation id, url) | ("renew", "", "")
+
+
+def _key(model: str | None) -> str:
+    """The model as the scripts name it: "" for none asked (a model id is never empty)."""
+    return "" if model is None else model

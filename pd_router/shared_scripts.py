@@ -11,9 +11,23 @@ Keys (one hash tag, ``{pdr}``, so that a Redis Cluster keeps them on one shard):
 * ``{pdr}:used``   hash: node URL -> slots reserved, all routers together
 * ``{pdr}:res:R``  hash: reservation id -> node URL, the reservations router R holds
 * ``{pdr}:routers`` hash: router id -> its lease's end (ms, Redis's clock)
-* ``{pdr}:queue``  sorted set: ``"R reservation-id"`` by arrival (``{pdr}:seq``)
+* ``{pdr}:queue:M`` sorted set: ``"R reservation-id"`` by arrival (``{pdr}:seq``, one
+  count for all models), the waiters for model M; M is "" for a waiter that asked for no
+  model (a model id is never empty: ``validation.py``)
+* ``{pdr}:queues`` set: the models M whose queue may have waiters (dropped when found empty)
 * ``{pdr}:rr``     counter: where the next pick starts among equally free nodes
 * channel ``{pdr}:grant:R``: ``"reservation-id url"``, a slot handed to a waiter of R
+
+Which waiters a slot on a node may go to is the router's to say (it knows the nodes'
+models and states), in the scripts' arguments, as "a list of nodes": how many, then per
+node its URL, ``+`` (it takes the waiters of the models listed) or ``-`` (of every model but
+those listed), how many models are listed, and the models ("" for the waiters that asked
+for none). A node not in the list takes none. Each model id is an argument of its own,
+never joined to others nor split, so that any character may be in one.
+
+One queue per model, as in-process: a slot freed on a node goes to the oldest of the heads
+of the queues of the models it takes, a few reads however long a burst on another model
+is (one queue for all would be scanned past that burst at every release).
 
 A reservation is released exactly once: its id leaves ``res:R`` in the script that gives
 the slot back, and a second release of the same id finds nothing. A router whose lease
@@ -37,22 +51,84 @@ local function split(member)
   local at = string.find(member, ' ', 1, true)
   return string.sub(member, 1, at - 1), string.sub(member, at + 1)
 end
--- The oldest waiter of a live router gets the slot on url; without one (or when url takes
--- no new requests) the slot goes back to url. True when a waiter got it.
-local function hand_over(url, usable)
-  while usable do
-    local head = redis.call('ZRANGE', P .. 'queue', 0, 0)
-    if #head == 0 then break end
-    redis.call('ZREM', P .. 'queue', head[1])
-    local router, resid = split(head[1])
-    if redis.call('HEXISTS', P .. 'routers', router) == 1 then
-      redis.call('HSET', P .. 'res:' .. router, resid, url)
-      redis.call('PUBLISH', P .. 'grant:' .. router, resid .. ' ' .. url)
-      return true
+-- Nodes and the waiters each takes, from ARGV[at] (the module docstring): the urls in
+-- order, url -> {plus = true for a "+" node, models = {model -> true}, listed = {models}},
+-- and where the arguments after them start.
+local function read_nodes(at)
+  local urls, takes = {}, {}
+  for _ = 1, tonumber(ARGV[at]) do
+    local n, models, listed = tonumber(ARGV[at + 3]), {}, {}
+    for i = at + 4, at + 3 + n do
+      models[ARGV[i]] = true
+      listed[#listed + 1] = ARGV[i]
+    end
+    urls[#urls + 1] = ARGV[at + 1]
+    takes[ARGV[at + 1]] = {plus = ARGV[at + 2] == '+', models = models, listed = listed}
+    at = at + 3 + n
+  end
+  return urls, takes, at + 1
+end
+local function serves(spec, model)
+  return spec ~= nil and (spec.models[model] == true) == spec.plus
+end
+local function enqueue(model, member)
+  redis.call('ZADD', P .. 'queue:' .. model, redis.call('INCR', P .. 'seq'), member)
+  redis.call('SADD', P .. 'queues', model)
+end
+-- True when the member was in model's queue.
+local function dequeue(model, member)
+  if redis.call('ZREM', P .. 'queue:' .. model, member) == 0 then return false end
+  if redis.call('EXISTS', P .. 'queue:' .. model) == 0 then
+    redis.call('SREM', P .. 'queues', model)
+  end
+  return true
+end
+-- The oldest waiter of a live router for model: its member and arrival, or nil. Waiters of
+-- routers whose lease ended are dropped on the way.
+local function head(model)
+  local key = P .. 'queue:' .. model
+  while true do
+    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    if #first == 0 then
+      redis.call('SREM', P .. 'queues', model)
+      return nil
+    end
+    if redis.call('HEXISTS', P .. 'routers', (split(first[1]))) == 1 then
+      return first[1], tonumber(first[2])
+    end
+    redis.call('ZREM', key, first[1])
+  end
+end
+-- The oldest waiter among the models spec takes (all but those listed: the queued ones):
+-- its model and member, or nil.
+local function first_for(spec)
+  if spec == nil then return nil end
+  local models = spec.listed
+  if not spec.plus then models = redis.call('SMEMBERS', P .. 'queues') end
+  local model, member, seq = nil, nil, nil
+  for _, m in ipairs(models) do
+    if serves(spec, m) then
+      local h, s = head(m)
+      if h and (seq == nil or s < seq) then model, member, seq = m, h, s end
     end
   end
-  redis.call('HINCRBY', P .. 'used', url, -1)
-  return false
+  return model, member
+end
+local function grant(model, member, url)
+  dequeue(model, member)
+  local router, resid = split(member)
+  redis.call('HSET', P .. 'res:' .. router, resid, url)
+  redis.call('PUBLISH', P .. 'grant:' .. router, resid .. ' ' .. url)
+end
+-- The oldest waiter (of a live router) that url takes (spec; nil: url takes no new
+-- requests) gets the slot on url; without one the slot goes back to url.
+local function hand_over(url, spec)
+  local model, member = first_for(spec)
+  if member then
+    grant(model, member, url)
+  else
+    redis.call('HINCRBY', P .. 'used', url, -1)
+  end
 end
 -- The freest of the given urls (ties in turn), or nil when none has a free slot.
 local function pick(urls)
@@ -67,69 +143,68 @@ local function pick(urls)
   end
   return best
 end
-local function rest(from)
-  local out = {}
-  for i = from, #ARGV do out[#out + 1] = ARGV[i] end
-  return out
-end
 """
 
-# ARGV: router, reservation id, "1" to queue when nothing is free, usable urls...
+# ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
+# the nodes the request may land on (a list of nodes: see the module docstring)
 # -> {"ok", url} | {"queued"} | {"busy"} | {"unknown"} (the router must register first)
+# As in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
+# never overtakes a waiter); a burst queued on another model's nodes is no obstacle.
 ACQUIRE = _COMMON + """
-local router, resid, may_queue = ARGV[1], ARGV[2], ARGV[3]
+local router, resid, may_queue, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown'} end
-if redis.call('ZCARD', P .. 'queue') == 0 then
-  local url = pick(rest(4))
-  if url then
-    redis.call('HINCRBY', P .. 'used', url, 1)
-    redis.call('HSET', P .. 'res:' .. router, resid, url)
-    return {'ok', url}
-  end
+local urls, takes = read_nodes(5)
+local url = pick(urls)
+if url and first_for(takes[url]) == nil then
+  redis.call('HINCRBY', P .. 'used', url, 1)
+  redis.call('HSET', P .. 'res:' .. router, resid, url)
+  return {'ok', url}
 end
 if may_queue == '1' then
-  redis.call('ZADD', P .. 'queue', redis.call('INCR', P .. 'seq'), router .. ' ' .. resid)
+  enqueue(model, router .. ' ' .. resid)
   return {'queued'}
 end
 return {'busy'}
 """
 
-# ARGV: router, then pairs of (reservation id, "1" if its node takes new requests)
+# ARGV: router, the nodes that take new requests (a list of nodes), the reservation ids
 # -> how many were held (a release of an id no longer held does nothing)
 RELEASE = _COMMON + """
+local _, takes, at = read_nodes(2)
 local released = 0
-for i = 2, #ARGV, 2 do
+for i = at, #ARGV do
   local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[i])
   if url then
     redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[i])
-    hand_over(url, ARGV[i + 1] == '1')
+    hand_over(url, takes[url])
     released = released + 1
   end
 end
 return released
 """
 
-# ARGV: router, reservation id -> {"left"} | {"granted", url} | {"gone"}
+# ARGV: router, reservation id, its model -> {"left"} | {"granted", url} | {"gone"}
 ABANDON = _COMMON + """
-if redis.call('ZREM', P .. 'queue', ARGV[1] .. ' ' .. ARGV[2]) == 1 then return {'left'} end
+if dequeue(ARGV[3], ARGV[1] .. ' ' .. ARGV[2]) then return {'left'} end
 local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
 if url then return {'granted', url} end
 return {'gone'}
 """
 
-# ARGV: router, lease ms, n, n pairs of (url, slots), usable urls...
+# ARGV: router, lease ms, n, n pairs of (url, slots), the nodes that take new requests (a
+# list of nodes)
 # -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed}
 # Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
-# hands free slots to waiters (a node readmitted, a release that could not reach a waiter).
+# hands free slots to waiters (a node readmitted, a release that could not reach a waiter):
+# the oldest waiter first, each to the freest node that takes it, until no waiter left can
+# be given a slot.
 RENEW = _COMMON + """
 local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0} end
 local now = now_ms()
 redis.call('HSET', P .. 'routers', router, now + lease)
 for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
-local urls = rest(4 + 2 * n)
-local usable = {}
-for _, url in ipairs(urls) do usable[url] = true end
+local urls, takes = read_nodes(4 + 2 * n)
 local reclaimed = 0
 local routers = redis.call('HGETALL', P .. 'routers')
 for i = 1, #routers, 2 do
@@ -139,25 +214,44 @@ for i = 1, #routers, 2 do
     local held = redis.call('HGETALL', P .. 'res:' .. other)
     redis.call('DEL', P .. 'res:' .. other)
     for j = 1, #held, 2 do
-      hand_over(held[j + 1], usable[held[j + 1]] ~= nil)
+      hand_over(held[j + 1], takes[held[j + 1]])
       reclaimed = reclaimed + 1
     end
-    for _, member in ipairs(redis.call('ZRANGE', P .. 'queue', 0, -1)) do
-      if split(member) == other then redis.call('ZREM', P .. 'queue', member) end
+    for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+      for _, member in ipairs(redis.call('ZRANGE', P .. 'queue:' .. model, 0, -1)) do
+        if split(member) == other then dequeue(model, member) end
+      end
     end
   end
 end
-while redis.call('ZCARD', P .. 'queue') > 0 do
-  local url = pick(urls)
-  if not url then break end
-  redis.call('HINCRBY', P .. 'used', url, 1)
-  if not hand_over(url, true) then break end
+-- A model none of whose nodes has a free slot is passed over from then on.
+local full = {}
+while true do
+  local model, member, seq = nil, nil, nil
+  for _, m in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    if not full[m] then
+      local h, s = head(m)
+      if h and (seq == nil or s < seq) then model, member, seq = m, h, s end
+    end
+  end
+  if not model then break end
+  local candidates = {}
+  for _, url in ipairs(urls) do
+    if serves(takes[url], model) then candidates[#candidates + 1] = url end
+  end
+  local url = pick(candidates)
+  if url then
+    redis.call('HINCRBY', P .. 'used', url, 1)
+    grant(model, member, url)
+  else
+    full[model] = true
+  end
 end
 return {1, reclaimed}
 """
 
 # ARGV: router, lease ms, n, n pairs of (url, slots), m, m pairs of (reservation id, url),
-# then waiting reservation ids...
+# then pairs of (waiting reservation id, its model), oldest first
 # A router's start, or its return after its registration was lost (Redis restarted empty,
 # or its lease ended): its lease, its nodes' slots, what it holds (each counted once,
 # however often sent) and who waits, all at once, so that no other router sees it
@@ -174,11 +268,9 @@ for i = 0, m - 1 do
     redis.call('HINCRBY', P .. 'used', url, 1)
   end
 end
-for i = at + 1 + 2 * m, #ARGV do
-  local member = router .. ' ' .. ARGV[i]
-  if not redis.call('ZSCORE', P .. 'queue', member) then
-    redis.call('ZADD', P .. 'queue', redis.call('INCR', P .. 'seq'), member)
-  end
+for i = at + 1 + 2 * m, #ARGV, 2 do
+  local member, model = router .. ' ' .. ARGV[i], ARGV[i + 1]
+  if not redis.call('ZSCORE', P .. 'queue:' .. model, member) then enqueue(model, member) end
 end
 return 1
 """

@@ -109,5 +109,7 @@ def slots_in_use(state_url: str) -> int:
 
 
 def queued(state_url: str) -> int:
-    """Requests waiting for a slot on any router sharing ``state_url``, by Redis's queue."""
-    return int(_redis(state_url, "ZCARD", "{pdr}:queue"))
+    """Requests waiting for a slot on any router sharing ``state_url``, by Redis's queues
+    (one per model)."""
+    models = _redis(state_url, "SMEMBERS", "{pdr}:queues")
+    return sum(int(_redis(state_url, "ZCARD", f"{{pdr}}:queue:{m.decode()}")) for m in models)
