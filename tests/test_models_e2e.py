@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from pd_router.sim.fleet import EngineProcess
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, flush_state, queued, slots_in_use, wait_for
+from tests.redis_server import RedisServer
 
 TOKEN = "s3cret"
 
@@ -112,36 +113,71 @@ def test_a_model_nobody_serves_is_404_model_not_found_naming_the_served_ones(
 def test_a_queue_on_one_model_holds_up_nobody_asking_for_another(
     router: RouterProcess, engines: dict[str, EngineProcess]
 ) -> None:
-    # alpha's one decode slot is held by a slow stream and two more alpha requests queue
-    # behind it; beta's requests are served meanwhile, each at once.
+    burst(engines, [router], lambda: router.metrics()["pd_router_queue_depth"])
+    router.assert_idle()
+
+
+def test_with_shared_state_too_across_two_routers(
+    engines: dict[str, EngineProcess], redis_server: RedisServer
+) -> None:
+    prefill = [engines["prefill-alpha"].url, engines["prefill-beta"].url]
+    decode = [engines["decode-alpha"].url, engines["decode-beta"].url]
+    args = ("--state", redis_server.url, "--decode-slots", "1", "--queue-timeout", "20")
+    flush_state(redis_server.url)
+    with (
+        RouterProcess(prefill, decode, *args) as first,
+        RouterProcess(prefill, decode, *args) as second,
+    ):
+        for router in (first, second):
+            wait_for(lambda: model_not_found(router), what="models learned")
+        burst(engines, [first, second], lambda: queued(redis_server.url))
+        wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
+
+
+def model_not_found(router: RouterProcess) -> bool:
+    answer = httpx.post(
+        f"{router.url}/v1/completions", json={"model": "nobody", "prompt": "x"}, timeout=10
+    )
+    return answer.status_code == 404
+
+
+def burst(
+    engines: dict[str, EngineProcess], routers: list[RouterProcess], waiting: Callable[[], float]
+) -> None:
+    """alpha's one decode slot is held by a slow stream and two more alpha requests queue
+    behind it (sent through the routers in turn); beta's requests are served meanwhile,
+    each at once."""
     engines["decode-alpha"].configure(itl=0.05)
     try:
         finished: dict[str, float] = {}
         failures: list[BaseException] = []
 
-        def ask(name: str, model: str, tokens: int) -> None:
+        def ask(name: str, router: RouterProcess, model: str, tokens: int) -> None:
             try:
-                client(router).completions.create(model=model, prompt="a b c", max_tokens=tokens)
+                sdk = client(router)
+                sdk.completions.create(model=model, prompt="a b c", max_tokens=tokens)
                 finished[name] = time.monotonic()
             except BaseException as exc:  # the test asserts there are none
                 failures.append(exc)
 
         started = time.monotonic()
-        alpha = [threading.Thread(target=ask, args=(f"alpha{i}", "alpha", 30)) for i in range(3)]
+        alpha = [
+            threading.Thread(target=ask, args=(f"alpha{i}", routers[i % len(routers)], "alpha", 30))
+            for i in range(3)
+        ]
         for thread in alpha:
             thread.start()
-        wait_for(lambda: router.metrics()["pd_router_queue_depth"] == 2, what="2 alpha queued")
+        wait_for(lambda: waiting() == 2, what="two alpha requests queued")
         for i in range(3):
-            ask(f"beta{i}", "beta", 4)
-        assert router.metrics()["pd_router_queue_depth"] == 2  # alpha's are still waiting
+            ask(f"beta{i}", routers[i % len(routers)], "beta", 4)
+        assert waiting() == 2  # alpha's are still waiting
         for thread in alpha:
             thread.join(timeout=30)
         assert not failures
-        # Each alpha stream takes ~1.5 s on its one slot; the betas were done before the
+        # Each alpha request takes ~1.5 s on its one slot; the betas were done before the
         # first alpha was.
         assert max(finished[f"beta{i}"] for i in range(3)) < min(
             finished[f"alpha{i}"] for i in range(3)
         ), {name: round(at - started, 2) for name, at in finished.items()}
     finally:
         engines["decode-alpha"].configure(itl=0.0)
-    router.assert_idle()
