@@ -13,6 +13,8 @@ What these tests prove, with the engines' own counters as the witness:
 * usage is right: ``prompt_tokens`` as a single engine counts them, ``cached_tokens`` as the
   prefill engine counts them (not as the decode engine would);
 * 16 concurrent requests each get their own prompt's continuation;
+* with two prefill engines, the default ``prefix`` policy reports more ``cached_tokens``
+  for a conversation workload than ``round_robin``;
 * a client that hangs up makes the decode engine abort, leaves no KV pinned on the prefill
   engine, and leaves every router slot free;
 * a dead prefill engine gives clear errors at once, and the rest keeps working.
@@ -26,11 +28,13 @@ do not move any of the counters used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -305,12 +309,16 @@ def outcomes(router: RouterProcess, outcome: str) -> float:
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def router(vllm_pair: VllmPair) -> Iterator[RouterProcess]:
+@contextlib.contextmanager
+def router_for(
+    vllm_pair: VllmPair, prefill: list[str], *args: str, log_name: str = "router.log"
+) -> Iterator[RouterProcess]:
+    """The router under test in front of ``prefill`` and the pair's decode engine; its log
+    is kept in the pair's work dir as ``log_name``."""
     # Engine timeouts longer than the machine's stalls (10-40 s measured): a timer that
     # runs out during a stall fires as soon as it ends, whatever the engine did.
     router = RouterProcess(
-        [vllm_pair.prefill_url],
+        prefill,
         [vllm_pair.decode_url],
         "--decode-slots", "16",
         "--queue-timeout", "60",
@@ -318,6 +326,7 @@ def router(vllm_pair: VllmPair) -> Iterator[RouterProcess]:
         "--health-timeout", "60",
         "--stall-timeout", "120",
         "--handoff-grace", str(HANDOFF_GRACE),
+        *args,
     )  # fmt: skip
     router.start()
     try:
@@ -325,8 +334,14 @@ def router(vllm_pair: VllmPair) -> Iterator[RouterProcess]:
         yield router
     finally:
         if router.log_path is not None and vllm_pair.work_dir is not None:
-            shutil.copy(router.log_path, vllm_pair.work_dir / "router.log")
+            shutil.copy(router.log_path, vllm_pair.work_dir / log_name)
         router.stop()
+
+
+@pytest.fixture(scope="module")
+def router(vllm_pair: VllmPair) -> Iterator[RouterProcess]:
+    with router_for(vllm_pair, [vllm_pair.prefill_url]) as router:
+        yield router
 
 
 @pytest.fixture
@@ -636,7 +651,128 @@ def test_client_leaving_while_decode_engine_has_not_answered_leaves_no_kv_pinned
 
 
 # --------------------------------------------------------------------------------------
-# 6: the prefill engine dies (last: the pair stays broken)
+# 6: two prefill engines: the prefix policy finds the cache that round robin misses
+# --------------------------------------------------------------------------------------
+
+CONVERSATIONS = 3
+TURNS = 3
+# Words of each user message: ~95 tokens with the tiny model's tokenizer (~3.5 a word), so
+# a turn adds about three 32-token blocks and the third turn's prompt (~330 tokens) stays
+# well inside --max-model-len 512.
+TURN_WORDS = 25
+REPLY_TOKENS = 2
+# Direct P/D requests that warm a (prefill engine -> decode engine) NIXL handshake.
+HANDSHAKE_TRIES = 5
+
+
+@pytest.fixture
+def second_prefill(vllm_pair: VllmPair) -> Iterator[str]:
+    """A second prefill engine with the pair's settings, for one test: stopped when the
+    test ends, whatever happens (a rerun starts a new one)."""
+    with vllm_pair.another_prefill() as engine:
+        yield engine.url
+
+
+def warm_handshake(prefill_url: str, decode_url: str) -> None:
+    """A P/D request straight to the engines, tried until the decode engine answers 200.
+
+    The decode engine's first request that names a prefill engine makes the NIXL
+    handshake, which vLLM gives up after 5 s (a constant) and which this machine misses at
+    times: the decode engine answers 500 (the prefill engine keeps that request's KV until
+    its lease ends) and the next request tries the handshake again."""
+    body = {"model": MODEL, "prompt": prompt(f"handshake-{prefill_url}"), "max_tokens": 2}
+    for attempt in range(1, HANDSHAKE_TRIES + 1):
+        answer = post_json(prefill_url + "/v1/completions", prefill_body(body))
+        try:
+            post_json(decode_url + "/v1/completions", decode_body(body, answer))
+            return
+        except urllib.error.HTTPError as error:
+            if error.code != 500 or attempt == HANDSHAKE_TRIES:
+                raise
+
+
+def converse(client: openai.OpenAI, tag: str) -> list[int]:
+    """One conversation of TURNS chat turns, each the whole conversation so far (the
+    model's replies included) plus a new user message; the ``cached_tokens`` of each."""
+    messages: list[dict[str, str]] = []
+    cached = []
+    for turn in range(TURNS):
+        # The tag opens the first message: no block is shared with another conversation.
+        text = prompt(f"{tag}-turn{turn}", words=TURN_WORDS)
+        messages.append({"role": "user", "content": text})
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=REPLY_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        details = response.usage.prompt_tokens_details if response.usage else None
+        assert details is not None and details.cached_tokens is not None, response.usage
+        cached.append(details.cached_tokens)
+        messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
+    return cached
+
+
+# Longer than the folder's 900 s: its own engine took up to 210 s to start and the rest up to
+# 7 min on a shared machine, and the pair's start (~1.5 min) counts too if it runs first.
+@pytest.mark.timeout(1200)
+def test_prefix_policy_reports_more_cached_tokens_than_round_robin(
+    vllm_pair: VllmPair, second_prefill: str
+) -> None:
+    """The same conversation workload through a router with ``--prefill-policy prefix``
+    (the default) and through one with ``round_robin``, each in front of two prefill
+    engines (prefix caching on, vLLM's default) and the pair's decode engine: the prefix
+    policy sends every turn of a conversation to the engine that prefilled its earlier
+    turns, so it reports more ``cached_tokens``.
+
+    The difference is designed, not left to chance. Each router gets its conversations one
+    at a time and their turns in order, so round robin over two engines sends every turn
+    to the other engine than the turn before (turn 2 finds nothing cached, turn 3 finds
+    turn 1), while the prefix policy keeps a conversation on one engine, whichever it is
+    (all on one engine is fine), and never spills it (one prefill in flight is within the
+    load bound). Each run has texts of its own (a tag per run, new on every try), so
+    neither finds what the other or an earlier try left in the caches; vLLM's
+    /reset_prefix_cache would need VLLM_SERVER_DEV_MODE, which the pair does not run with.
+    The prefill engines' own ``prompt_tokens_cached_total`` must add up to what the
+    router reported.
+
+    Independent of the other tests and their order: it makes its own NIXL handshakes."""
+    prefill_urls = [vllm_pair.prefill_url, second_prefill]
+    for url in prefill_urls:
+        warm_handshake(url, vllm_pair.decode_url)
+    prefills = [Engine(f"prefill {i}", url) for i, url in enumerate(prefill_urls)]
+    tag = os.urandom(3).hex()
+    requests = CONVERSATIONS * TURNS
+    totals = {}
+    for policy in ("prefix", "round_robin"):
+        settle(lambda: all(e.idle() for e in prefills), "idle prefill engines")
+        for engine in prefills:
+            engine.mark()
+        args = ("--prefill-policy", policy)
+        with router_for(vllm_pair, prefill_urls, *args, log_name=f"router-{policy}.log") as rt:
+            client = client_for(rt.url)
+            cached = [converse(client, f"{policy}-{tag}-{i}") for i in range(CONVERSATIONS)]
+            rt.assert_idle()
+        totals[policy] = sum(map(sum, cached))
+        settle(lambda: sum(e.delta(FINISHED) for e in prefills) >= requests, "prefill counters")
+        served = [int(e.delta(FINISHED)) for e in prefills]
+        by_turn = [sum(turns[t] for turns in cached) for t in range(TURNS)]
+        print(
+            f"\n{policy}: cached_tokens {totals[policy]}, by turn {by_turn}, by conversation"
+            f" {cached}; prefills per engine {served}"
+        )
+        assert sum(e.delta(CACHED_PROMPT) for e in prefills) == totals[policy]
+        assert sum(served) == requests, served
+        if policy == "round_robin":
+            assert max(served) - min(served) <= 1, f"round robin skipped an engine: {served}"
+
+    print(f"cached_tokens: prefix {totals['prefix']}, round_robin {totals['round_robin']}")
+    assert totals["prefix"] > totals["round_robin"]
+
+
+# --------------------------------------------------------------------------------------
+# 7: the prefill engine dies (last: the pair stays broken)
 # --------------------------------------------------------------------------------------
 
 
