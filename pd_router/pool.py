@@ -104,6 +104,13 @@ class DecodePool:
         accept = self.accept(model)
         return any(node.state in accept and node.serves(model) for node in self.nodes)
 
+    def no_live(self, model: str | None) -> str:
+        """What a request for ``model`` is told when no node takes it: the model is named
+        when it is why (some node does not serve it)."""
+        if model is None or all(node.serves(model) for node in self.nodes):
+            return "no live decode node"
+        return f"no live decode node serves {model!r}"
+
     def accept(self, model: str | None) -> tuple[State, ...]:
         """The states a request for ``model`` may land on: ``usable`` over its nodes."""
         return self.usable if model is None else usable_for(self.nodes, model, self._accepts)
@@ -149,7 +156,7 @@ class DecodePool:
         if reservation is not None:
             return reservation
         if not self.live_for(model):
-            raise Unavailable(no_live(model))
+            raise Unavailable(self.no_live(model))
         if timeout <= 0:
             raise Busy("all decode nodes busy")
         waiter = Waiter(model, next(self._arrivals))
@@ -201,7 +208,7 @@ class DecodePool:
     def fail_stranded(self) -> None:
         """Tell the waiters of each model that no live node serves any more."""
         for model in [model for model in self._queues if not self.live_for(model)]:
-            self._fail_queue(model, Unavailable(no_live(model)))
+            self._fail_queue(model, Unavailable(self.no_live(model)))
 
     def _fail_queue(self, model: str | None, error: RouterError) -> None:
         for waiter in self._queues.pop(model):
@@ -264,7 +271,3 @@ class DecodePool:
             self._hand_over(waiter.node)
         elif waiter.error is None:
             self._dequeue(waiter)
-
-
-def no_live(model: str | None) -> str:
-    return "no live decode node" if model is None else f"no live decode node serves {model!r}"

@@ -38,7 +38,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from . import shared_scripts as scripts
 from .errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
 from .nodes import Node, usable
-from .pool import DecodePool, Reservation, Waiter, no_live
+from .pool import DecodePool, Reservation, Waiter
 from .redis_client import RETRY, Redis, RedisError, RedisUnavailable, Script
 
 log = logging.getLogger("pd_router.shared_pool")
@@ -108,7 +108,7 @@ class SharedPool(DecodePool):
 
     async def acquire(self, timeout: float, model: str | None = None) -> Reservation:
         if not self.live_for(model):
-            raise Unavailable(no_live(model))
+            raise Unavailable(self.no_live(model))
         resid = secrets.token_hex(8)
         started = anyio.current_time()
         # Known before Redis can hand it a slot: the listener may hear of the grant before
@@ -158,7 +158,7 @@ class SharedPool(DecodePool):
     def fail_stranded(self) -> None:
         for waiter in self._waiting.values():
             if waiter.node is None and waiter.error is None and not self.live_for(waiter.model):
-                waiter.error = Unavailable(no_live(waiter.model))
+                waiter.error = Unavailable(self.no_live(waiter.model))
                 waiter.event.set()
 
     def _give_back(self, reservation: Reservation) -> None:
