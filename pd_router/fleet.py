@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from . import models
 from .errors import NodeDead, RouterError, Stalled
 from .nodes import Failure, HealthPolicy, Node, Role, State
 from .pool import DecodePool
@@ -86,6 +87,7 @@ class Fleet:
         self.prefill = POLICIES[prefill_policy](prefill)
         # In-process by default; shared by every router on one Redis with ``--state``.
         self.pool = pool(decode)
+        self.offer = models.offer(self.prefill.nodes, self.pool.nodes)
         self.bindings: dict[str, Binding] = {}
         # Every request in flight by id, from its arrival (before it has a slot) to its end.
         self.requests: dict[str, Handle] = {}
@@ -256,6 +258,7 @@ class Fleet:
         follow."""
         self.prefill.refresh()
         self.pool.refresh()
+        self.offer = models.offer(self.prefill.nodes, self.pool.nodes)
         self.pool.wake()
         self.pool.fail_stranded()
 

@@ -53,12 +53,19 @@ def offered(nodes: Iterable[Node]) -> frozenset[str] | None:
     return frozenset(union)
 
 
-def check(model: str, prefill: Sequence[Node], decode: Sequence[Node]) -> None:
-    """Raise ``ModelNotFound`` unless both roles have a node that may serve ``model``.
+# What each role with nodes serves (None: any model): the fleet keeps it (``Fleet.offer``),
+# made again whenever nodes or their models change, so a request does not rebuild it.
+Offer = tuple[frozenset[str] | None, ...]
 
-    A role with no node at all is not checked: the request is told that no node is live
+
+def offer(prefill: Sequence[Node], decode: Sequence[Node]) -> Offer:
+    """A role with no node at all is left out: its requests are told that no node is live
     (503), which is the truth."""
-    sides = [offered(nodes) for nodes in (prefill, decode) if nodes]
+    return tuple(offered(nodes) for nodes in (prefill, decode) if nodes)
+
+
+def check(model: str, sides: Offer) -> None:
+    """Raise ``ModelNotFound`` unless every role of ``sides`` may serve ``model``."""
     if all(side is None or model in side for side in sides):
         return
     known = [side for side in sides if side is not None]

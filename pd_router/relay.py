@@ -220,7 +220,7 @@ class Relay:
         fleet = router.fleet
         # Unwound in reverse: engine connections closed, binding removed, slot released.
         # ``reserve`` puts the reservation inside the ``try`` that releases it (pool.py).
-        models.check(self.model, fleet.prefill.nodes, fleet.pool.nodes)
+        models.check(self.model, fleet.offer)
         async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation
             try:

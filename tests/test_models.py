@@ -50,12 +50,14 @@ def test_a_lying_engine_cannot_fill_the_router_with_models() -> None:
 
 
 def test_a_model_served_by_both_roles_passes() -> None:
-    models.check("a", [node(0, "a", "b")], [node(1, "a")])
+    models.check("a", models.offer([node(0, "a", "b")], [node(1, "a")]))
 
 
 def test_a_model_nobody_serves_is_404_naming_what_is_served() -> None:
     with pytest.raises(ModelNotFound) as caught:
-        models.check("gpt-5", [node(0, "a", "b"), node(1, "c")], [node(2, "a"), node(3, "c")])
+        models.check(
+            "gpt-5", models.offer([node(0, "a", "b"), node(1, "c")], [node(2, "a"), node(3, "c")])
+        )
     error = caught.value
     assert (error.status, error.code, error.param) == (404, "model_not_found", "model")
     assert error.type == "invalid_request_error"
@@ -64,23 +66,23 @@ def test_a_model_nobody_serves_is_404_naming_what_is_served() -> None:
 
 def test_a_model_only_one_role_serves_is_404_too() -> None:
     with pytest.raises(ModelNotFound, match=r"\(served: a\)"):
-        models.check("b", [node(0, "a", "b")], [node(1, "a")])
+        models.check("b", models.offer([node(0, "a", "b")], [node(1, "a")]))
 
 
 def test_a_node_whose_models_are_unknown_may_serve_anything() -> None:
-    models.check("anything", [node(0, "a"), node(1)], [node(2)])
+    models.check("anything", models.offer([node(0, "a"), node(1)], [node(2)]))
 
 
 def test_a_role_with_no_node_is_left_to_say_503() -> None:
-    models.check("a", [], [node(1, "a")])
+    models.check("a", models.offer([], [node(1, "a")]))
     with pytest.raises(ModelNotFound):
-        models.check("b", [], [node(1, "a")])
+        models.check("b", models.offer([], [node(1, "a")]))
 
 
 def test_the_404_names_twenty_models_at_most() -> None:
     many = [f"m{i:03}" for i in range(30)]
     with pytest.raises(ModelNotFound) as caught:
-        models.check("x", [node(0, *many)], [node(1, *many)])
+        models.check("x", models.offer([node(0, *many)], [node(1, *many)]))
     assert caught.value.message.endswith("m019 and 10 more)")
 
 
