@@ -42,8 +42,8 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.processes import raise_on_sigterm  # noqa: E402
 from benchmarks.workloads.conversations import Run, Workload, converse  # noqa: E402
 from benchmarks.workloads.requests import MODEL  # noqa: E402
-from pd_router.nodes import make_nodes  # noqa: E402
-from pd_router.prefill_policy import POLICIES, prefix_key  # noqa: E402
+from pd_router.fleet.nodes import make_nodes  # noqa: E402
+from pd_router.fleet.prefill import POLICIES, prefix_key  # noqa: E402
 from pd_router.sim.fleet import EngineProcess, RouterProcess  # noqa: E402
 
 BLOCK = 16

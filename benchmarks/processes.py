@@ -327,7 +327,9 @@ def read_profile(raw_path: Path, top: int = 15) -> Profile:
         own[frames[-1]] += int(count)
         for frame in set(frames):
             # Below the entry point (main, serve), which every sample passes through.
-            if "(pd_router/" in frame and not frame.endswith(("cli.py)", "__main__.py)")):
+            if "(pd_router/" in frame and not frame.endswith(
+                ("cli.py)", "serve.py)", "__main__.py)")
+            ):
                 inclusive[frame] += int(count)
         total += int(count)
     return Profile(

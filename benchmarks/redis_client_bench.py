@@ -26,8 +26,8 @@ from pathlib import Path
 
 import anyio
 
-from pd_router import resp
-from pd_router.redis_client import Redis, Settings
+from pd_router.shared import resp
+from pd_router.shared.redis import Redis, Settings
 
 CONCURRENCY = 16
 

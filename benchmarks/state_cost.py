@@ -74,7 +74,7 @@ from benchmarks.workloads.requests import (  # noqa: E402
     stream_completion,
 )
 from benchmarks.workloads.throughput import throughput  # noqa: E402
-from pd_router.redis_client import Redis, Settings  # noqa: E402
+from pd_router.shared.redis import Redis, Settings  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -83,7 +83,7 @@ TARGET_TTFT_P50_MS = 0.5  # issue 12: TTFT at p50, B - A
 DECODE_ARGS = ("--standalone", "--slots", "256", "--ttft", "0", "--itl", "0")
 ROUTERS = ("A", "B")
 TIME_CAP = 120.0  # seconds per throughput pass
-# Redis's count of reserved slots per node, all routers together (shared_scripts.py).
+# Redis's count of reserved slots per node, all routers together (shared/scripts.py).
 USED_KEY = "{pdr}:used"
 DRAIN_SECONDS = 30.0
 COUNTS = ("answered 429 (no slot)", "slots reserved in Redis, most")  # rows without decimals

@@ -1,3 +1,3 @@
-from .cli import main
+from pd_router.cli import main
 
 main()

@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import Aborted, StateUnavailable
-from .fleet import Fleet
-from .membership import LocalMembership, Membership
-from .nodes import Node, check_labels, normalise_url
-from .relay import Relay, Router
-from .remote_abort import Outcome, RemoteAborts
+from pd_router.errors import Aborted, StateUnavailable
+from pd_router.fleet.membership import LocalMembership, Membership
+from pd_router.fleet.nodes import Node, check_labels, normalise_url
+from pd_router.fleet.registry import Fleet
+from pd_router.relay import Relay, Router
+from pd_router.shared.abort import Outcome, RemoteAborts
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -19,21 +19,28 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .admin import abort_here, admin_routes
-from .discovery import Discovery
-from .discovery_loop import discover_forever
-from .errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
-from .health import learn_models, probe, probe_forever, supervise, watch_models, watch_stalls
-from .lag import LoopLag
-from .membership import LocalMembership, Membership
-from .nodes import Node
-from .relay import Relay, Router
-from .remote_abort import RemoteAborts
-from .resolver import Resolver
-from .response import ClientStream
-from .shared_fleet import SharedFleet
-from .shared_pool import SharedPool
-from .validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.admin import abort_here, admin_routes
+from pd_router.discovery.loop import discover_forever
+from pd_router.discovery.resolver import Resolver
+from pd_router.discovery.rules import Discovery
+from pd_router.edge.stream import ClientStream
+from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.engines.watch import (
+    learn_models,
+    probe,
+    probe_forever,
+    supervise,
+    watch_models,
+    watch_stalls,
+)
+from pd_router.errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
+from pd_router.fleet.membership import LocalMembership, Membership
+from pd_router.fleet.nodes import Node
+from pd_router.ops.lag import LoopLag
+from pd_router.relay import Relay, Router
+from pd_router.shared.abort import RemoteAborts
+from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.pool import SharedPool
 
 MAX_BODY_BYTES = 32 << 20
 

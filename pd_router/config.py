@@ -23,14 +23,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .discovery import DnsSpec, dns_spec, parse_dns_spec
-from .nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
+from pd_router.discovery.rules import DnsSpec, dns_spec, parse_dns_spec
+from pd_router.fleet.nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
 
 ENV_PREFIX = "PD_ROUTER_"
 CONFIG_KEY = "config"
 NODE_KEYS = ("prefill", "decode")
 NODE_TABLE_KEYS = ("url", "slots", "labels")
-# Names to discover nodes by (``discovery.py``): each role's alternative to a node list.
+# Names to discover nodes by (``discovery/rules.py``): each role's alternative to a node list.
 DNS_KEYS = ("prefill_dns", "decode_dns")
 DNS_TABLE_KEYS = ("name", "port", "slots", "labels")
 

@@ -3,7 +3,7 @@
 ``--prefill-nodes`` prefill and ``--decode-nodes`` decode engines (``pd_router.sim``) start
 as their own processes on free 127.0.0.1 ports; the router serves in this process and the
 engines are stopped, by PID, when it exits. Settings come from the same sources as ``pd-router``'s
-(``cli.parse_router_args``), over the demo's own defaults.
+(``serve.parse_router_args``), over the demo's own defaults.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from .cli import (
+from pd_router.serve import (
     _positive,
     _seconds,
     add_router_flags,
@@ -21,7 +21,7 @@ from .cli import (
     parse_router_args,
     serve,
 )
-from .sim.fleet import SimFleet
+from pd_router.sim.fleet import SimFleet
 
 # Unlike the router's: enough slots and patience that a few curls at once queue, not 429.
 DEFAULTS = {"decode_slots": 4, "queue_timeout": 10.0}

@@ -7,11 +7,18 @@ body before the headers went out, or into one SSE error event after.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, TypeVar
 
 import orjson
 
-from .nodes import Evidence
+
+class Evidence(Enum):
+    """How much a failure says about the node (see the module docstring)."""
+
+    SOFT = "soft"
+    HARD = "hard"
+    FATAL = "fatal"
 
 
 class RouterError(Exception):
@@ -113,7 +120,7 @@ class ModelNotFound(BadRequest):
 
 
 class HeadTooLarge(BadRequest):
-    """A request line and headers over ``--max-header-bytes`` (``client_protocol.py``)."""
+    """A request line and headers over ``--max-header-bytes`` (``edge/protocol.py``)."""
 
     status = 431
     code = "request_header_fields_too_large"
@@ -227,7 +234,7 @@ class ShuttingDown(Unavailable):
 
 
 class StateUnavailable(Unavailable):
-    """The shared state (``--state``, ``shared_pool.py``) did not answer: no slot can be
+    """The shared state (``--state``, ``shared/pool.py``) did not answer: no slot can be
     reserved."""
 
     code = "shared_state_unavailable"
@@ -242,7 +249,7 @@ class NodeDead(UpstreamError):
 
 
 class Stalled(UpstreamError):
-    """The stall watch found the request's decode engine hung (``stall.py``)."""
+    """The stall watch found the request's decode engine hung (``fleet/stall.py``)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=504, code="stalled", kind="stalled")
@@ -259,14 +266,14 @@ class Aborted(RouterError):
 
 class RequestTimeout(BadRequest):
     """A request head or body that came too slowly (``--header-timeout``, ``--body-timeout``);
-    ``client_protocol.py`` answers it and closes the connection."""
+    ``edge/protocol.py`` answers it and closes the connection."""
 
     status = 408
     code = "request_timeout"
 
 
 class TooManyConnections(Unavailable):
-    """A connection over ``--max-connections``: ``client_protocol.py`` answers it before
+    """A connection over ``--max-connections``: ``edge/protocol.py`` answers it before
     reading a request, so it is never a request's outcome (not counted as one)."""
 
     code = "too_many_connections"

@@ -38,9 +38,13 @@ import anyio
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from . import handshake, logs, models
-from .discovery import Discovery
-from .errors import (
+from pd_router.discovery.rules import Discovery
+from pd_router.edge.stream import ClientStream
+from pd_router.edge.validation import PATHS, Endpoint
+from pd_router.engines import handshake
+from pd_router.engines.client import Response, Upstream
+from pd_router.engines.sse import EventRelay, with_usage_fixed
+from pd_router.errors import (
     InternalError,
     RouterError,
     ShuttingDown,
@@ -48,15 +52,13 @@ from .errors import (
     UpstreamError,
     detached,
 )
-from .fleet import Binding, Fleet
-from .metrics import Telemetry, Timings
-from .nodes import Failure, Node
-from .pool import Reservation
-from .prefill_policy import prefix_key
-from .response import ClientStream
-from .sse import EventRelay, with_usage_fixed
-from .upstream import Response, Upstream
-from .validation import PATHS, Endpoint
+from pd_router.fleet import models
+from pd_router.fleet.nodes import Failure, Node
+from pd_router.fleet.pool import Reservation
+from pd_router.fleet.prefill import prefix_key
+from pd_router.fleet.registry import Binding, Fleet
+from pd_router.ops import logs
+from pd_router.ops.metrics import Telemetry, Timings
 
 log = logging.getLogger("pd_router")
 
@@ -109,7 +111,7 @@ class Relay:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
-        # Validated: a non-empty string (``validation.py``).
+        # Validated: a non-empty string (``edge/validation.py``).
         self.model: str = body["model"]
         self.request_id = router.fleet.admit(request_id, self)
         self.stream = bool(body.get("stream"))
@@ -219,7 +221,7 @@ class Relay:
         router = self.router
         fleet = router.fleet
         # Unwound in reverse: engine connections closed, binding removed, slot released.
-        # ``reserve`` puts the reservation inside the ``try`` that releases it (pool.py).
+        # ``reserve`` puts the reservation inside the ``try`` that releases it (fleet/pool.py).
         models.check(self.model, fleet.offer)
         async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from .config import ENV_PREFIX
+from pd_router.config import ENV_PREFIX
 
 # The router's own variable for --admin-token, so one export serves both.
 ADMIN_ENV = ENV_PREFIX + "ADMIN_TOKEN"

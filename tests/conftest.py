@@ -2,7 +2,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from pd_router.redis_client import Redis, parse_url
+from pd_router.shared.redis import Redis, parse_url
 from tests.redis_server import RedisServer
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.redis_client import Redis, parse_url
+from pd_router.shared.redis import Redis, parse_url
 from pd_router.sim import fleet
 
 

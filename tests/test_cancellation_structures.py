@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 
-from pd_router.nodes import Node
-from pd_router.pool import DecodePool
+from pd_router.fleet.nodes import Node
+from pd_router.fleet.pool import DecodePool
 
 pytestmark = pytest.mark.anyio
 

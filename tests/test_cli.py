@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.cli import _dns_server, parse_router_args, router_parser
 from pd_router.demo import demo_parser, parse
+from pd_router.serve import _dns_server, parse_router_args, router_parser
 from pd_router.status import format_table, from_admin, from_metrics
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.cli import build_router, parse_router_args, router_parser
-from pd_router.nodes import NodeSpec
+from pd_router.fleet.nodes import NodeSpec
+from pd_router.serve import build_router, parse_router_args, router_parser
 
 NODES = ["--prefill", "http://p0:8100", "--decode", "http://d0:8200"]
 

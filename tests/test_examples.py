@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pd_router.cli import build_router, parse_router_args, router_parser
-from pd_router.redis_client import parse_url
+from pd_router.serve import build_router, parse_router_args, router_parser
+from pd_router.shared.redis import parse_url
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KUBERNETES = EXAMPLES / "kubernetes"

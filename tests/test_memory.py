@@ -26,8 +26,8 @@ import pytest
 import uvicorn
 
 from pd_router.app import AppOptions, create_app
-from pd_router.cli import build_router, parse_router_args, router_parser
 from pd_router.relay import Router
+from pd_router.serve import build_router, parse_router_args, router_parser
 from pd_router.sim.fleet import SimFleet, free_port
 
 BODY = {"model": "sim-model", "prompt": "hello pd router " * 8, "max_tokens": 4}

@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from pd_router.errors import UpstreamError
-from pd_router.fleet import Fleet
-from pd_router.nodes import Node
+from pd_router.fleet.nodes import Node
+from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router, Settings
 
 pytestmark = pytest.mark.anyio

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.client_protocol import LINGER
+from pd_router.edge.protocol import LINGER
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RawClient, RouterProcess, wait_for
 from tests.redis_server import RedisServer
@@ -244,7 +244,8 @@ def test_workers_do_not_outlive_a_killed_parent(fleet: SimFleet, redis_server: R
 CRASHING = """
 import socket
 import sys
-from pd_router import logs, workers
+from pd_router.ops import logs
+from pd_router import workers
 workers.RESTART_DELAY = 0.05
 workers.STARTS_PER_MINUTE = 3
 logs.configure("info", "text")
@@ -279,7 +280,8 @@ def test_a_worker_dying_at_start_is_started_a_bounded_number_of_times(tmp_path: 
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_a_workers_lines_name_it(fmt: str) -> None:
     script = (
-        "from pd_router import logs, workers\n"
+        "from pd_router import workers\n"
+        "from pd_router.ops import logs\n"
         f"logs.configure('info', {fmt!r})\n"
         f"workers.tag_logs(3, {fmt!r})\n"
         "logs.request_finished({'status': 200})\n"

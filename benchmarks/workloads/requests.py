@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_router.handshake import PREFILL_KV_PARAMS
+from pd_router.engines.handshake import PREFILL_KV_PARAMS
 
 MODEL = "sim-model"
 PATH = "/v1/completions"

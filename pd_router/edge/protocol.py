@@ -1,0 +1,274 @@
+"""uvicorn's HTTP/1.1 protocol (httptools), with the limits a client connection lives by.
+
+uvicorn bounds none of these: a client could hold a connection (a file descriptor, and at
+shutdown the whole process) for ever by sending nothing, a head or a body a byte at a time,
+or by opening connections until ``accept`` fails for every other client too. Here:
+
+* a head (request line and headers) larger than ``max_head`` bytes gets 431 before the
+  parser sees the excess (parsing one under uvicorn is quadratic in its size: 64 MiB held
+  the event loop for 5.8 s, every other client with it);
+* a head must be complete ``header_timeout`` seconds after its first byte, the first head
+  of a connection ``header_timeout`` seconds after the accept, or it gets 408; a new
+  connection that sent nothing by then is closed without an answer, like an idle one;
+* a body must keep coming: each ``body_timeout`` seconds of it must bring at least
+  ``MIN_BODY_RATE`` bytes a second, or the rest of it, or it gets 408 (before its response
+  began; after, the connection is just closed) and the app's ``receive()`` sees
+  ``http.disconnect``, so the request ends and its resources are released;
+* beyond ``max_connections`` open connections, a new one gets 503 ``too_many_connections``
+  before anything of it is read, and the connections already open are untouched;
+* on shutdown a request still coming in gets 503 ``shutting_down`` at once, instead of
+  holding the process until its client finishes it; responses in progress go on (the
+  app's ``--shutdown-timeout`` bounds them), idle connections close (uvicorn).
+
+Idle keep-alive connections are uvicorn's ``timeout_keep_alive`` (``IDLE_TIMEOUT``).
+
+Every such answer is JSON (``errors.py``) with ``connection: close``; then the connection
+is half-closed and what the client still sends is read and dropped for up to ``LINGER``
+seconds: closing a socket with unread input makes the kernel send a reset, which can
+destroy the answer before the client read it. An answer is never written into a response
+already begun on the connection (a pipelined request); the connection is closed instead.
+"""
+
+from __future__ import annotations
+
+import resource
+from asyncio import TimerHandle, Transport
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pd_router.errors import (
+    BadRequest,
+    HeadTooLarge,
+    RequestTimeout,
+    RouterError,
+    ShuttingDown,
+    TooManyConnections,
+)
+
+# Far above what any OpenAI client sends (a few hundred bytes), far below what hurts.
+MAX_HEAD_BYTES = 64 << 10
+# A client sends its head in one packet as soon as it is connected; 10 s covers the worst
+# network round trips many times over.
+HEADER_TIMEOUT = 10.0
+# A body's pace is judged over windows this long: long enough for a congested link's
+# stalls, short enough that a stalled client lets go of its connection soon.
+BODY_TIMEOUT = 30.0
+# 1 KiB/s: a request body crosses any network a client really uses far faster; a trickle
+# below it (slowloris sends 1 byte/s) would hold a connection for as long as it likes.
+MIN_BODY_RATE = 1024
+# Idle keep-alive connections are held longer than clients keep them pooled (httpx and so
+# the openai SDK: 5 s, uvicorn's own default too): otherwise a client reuses a connection
+# the router is just closing, and its request fails. 75 s is nginx's default, also well
+# above the 60 s idle timeout of the common cloud load balancers in front.
+IDLE_TIMEOUT = 75.0
+# A client that reads what it was sent does so within a round trip; one that does not gets
+# no more of a file descriptor, or of a shutdown, than this.
+LINGER = 2.0
+# File descriptors the process needs besides client and engine connections: the listening
+# socket, the event loop's, logs, a health probe per engine, engine connections pooled idle.
+FD_RESERVE = 64
+
+REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connections", "shutdown")
+
+Phase = Literal["idle", "head", "body", "closing"]
+
+
+def default_max_connections() -> int:
+    """Half the open-file limit, less a reserve: each client connection can carry a request
+    that holds an engine connection too. At the cap a new client gets a 503 it can act on;
+    at the fd limit its ``accept`` would fail, and a request already admitted could not
+    reach an engine."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(1, (soft - FD_RESERVE) // 2)
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    max_head: int
+    header_timeout: float  # 0: none
+    body_timeout: float  # 0: none
+    max_connections: int
+
+
+class ClientStats(Collector):
+    """Client connections open, and those a limit closed, for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.closed = dict.fromkeys(REASONS, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "pd_router_client_connections", "Client connections open.", value=self.open
+        )
+        closed = CounterMetricFamily(
+            "pd_router_client_connections_closed",
+            "Client connections the router closed on a limit, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in self.closed.items():
+            closed.add_metric([reason], count)
+        yield closed
+
+
+class ClientProtocol(HttpToolsProtocol):
+    limits: ClientLimits
+    stats: ClientStats
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # idle: between messages (or none yet); closing: answered, lingering.
+        self._phase: Phase = "idle"
+        # Head bytes of the current message so far; counted in the idle and head phases.
+        self._head = 0
+        # The connection's one deadline: its head's, its body window's, or its linger's.
+        self._timer: TimerHandle | None = None
+        # Body bytes in the current window.
+        self._got = 0
+
+    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.stats.open += 1
+        cap = self.limits.max_connections
+        if self.stats.open > cap:
+            error = TooManyConnections(f"the router holds its limit of {cap} client connections")
+            self._close_with("too_many_connections", error)
+        else:
+            # Sending nothing holds a file descriptor as surely as sending slowly.
+            self._watch(self.limits.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stats.open -= 1
+        self._unwatch()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        while data and self._phase != "closing" and not self.transport.is_closing():
+            if self._phase == "body":
+                super().data_received(data)
+                return
+            room = self.limits.max_head - self._head
+            if room <= 0:
+                error = HeadTooLarge(
+                    f"request line and headers are larger than {self.limits.max_head} bytes"
+                )
+                self._close_with("head_too_large", error)
+                return
+            # Data that holds the end of a head and body bytes after it is split there, so
+            # a body is never counted as head.
+            part, data = data[:room], data[room:]
+            self._head += len(part)
+            super().data_received(part)
+
+    def on_message_begin(self) -> None:
+        self._phase = "head"
+        super().on_message_begin()
+        if self._timer is None:  # a connection's first head is timed from the accept
+            self._watch(self.limits.header_timeout)
+
+    def on_headers_complete(self) -> None:
+        self._phase = "body"
+        self._watch(self.limits.body_timeout)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._got += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._phase = "idle"
+        self._head = 0
+        self._unwatch()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answer to bytes that are not HTTP is plain text; the router's
+        # errors are all OpenAI-shaped JSON.
+        self.transport.write(_answer(BadRequest(msg)))
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        if self._phase == "closing":
+            return  # it closes by itself within LINGER
+        if self._phase in ("head", "body") and self._may_answer():
+            self._close_with("shutdown", ShuttingDown("router shutting down"))
+        else:
+            super().shutdown()
+
+    def _watch(self, seconds: float) -> None:
+        self._unwatch()
+        self._got = 0
+        if seconds > 0:
+            self._timer = self.loop.call_later(seconds, self._expired, seconds)
+
+    def _unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, seconds: float) -> None:
+        self._timer = None
+        if self.flow.read_paused or (
+            self._phase == "body" and self._got >= seconds * MIN_BODY_RATE
+        ):
+            # Paused, the router is not reading (a request ahead on this connection is still
+            # being answered): the wait is not the client's.
+            self._watch(seconds)
+        elif self._phase == "idle":
+            # Nothing sent: an answer could cross a request the client is just sending.
+            self.stats.closed["header_timeout"] += 1
+            self.transport.close()
+        elif self._phase == "head":
+            error = RequestTimeout(f"request line and headers not complete within {seconds:g} s")
+            self._close_with("header_timeout", error)
+        else:
+            error = RequestTimeout(
+                f"request body slower than {MIN_BODY_RATE} bytes/s: "
+                f"{self._got} bytes in {seconds:g} s"
+            )
+            self._close_with("body_timeout", error)
+
+    def _may_answer(self) -> bool:
+        """No response has begun on this connection that an answer would cut into."""
+        if self._phase == "body":
+            return not (self.cycle.response_started or self.pipeline)
+        return self.cycle is None or self.cycle.response_complete
+
+    def _close_with(self, reason: str, error: RouterError) -> None:
+        self.stats.closed[reason] += 1
+        if self._may_answer():
+            self.transport.write(_answer(error))
+        self._phase = "closing"
+        self._unset_keepalive_if_required()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # The app's receive() says http.disconnect now, not after the linger.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self._unwatch()
+        self._timer = self.loop.call_later(LINGER, self.transport.close)
+
+
+def _answer(error: RouterError) -> bytes:
+    body = error.json()
+    headers = {
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "connection": "close",
+        **error.headers,
+    }
+    head = f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (head + "\r\n").encode("latin-1") + body
+
+
+def protocol(limits: ClientLimits, stats: ClientStats) -> type[ClientProtocol]:
+    """The protocol class for uvicorn's ``http=``, with these limits and this tally."""
+    return type("ClientProtocol", (ClientProtocol,), {"limits": limits, "stats": stats})

@@ -1,0 +1,325 @@
+"""HTTP to the engines: the router's only engine I/O.
+
+One pool of keep-alive connections per engine origin, no cap (the pool's slots are the
+admission control; a cap below them would queue streams invisibly here). Each request is
+written in one ``write`` with the headers the engines need and no others. It runs on
+asyncio, which is what uvicorn serves the router on; the pool and the protocol code above
+stay backend-neutral.
+
+Closing a response before its end closes its connection, which is how vLLM learns that the
+request is to be aborted; a response read to its end goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import ssl
+import time
+from functools import lru_cache
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
+
+import orjson
+
+from pd_router.engines.connection import (
+    ConnectionLost,
+    EngineConnection,
+    ProtocolViolation,
+    ReadTimeout,
+)
+from pd_router.errors import Evidence, UpstreamError, engine_message
+from pd_router.fleet.nodes import Failure
+
+# Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
+# closes them after 5 s): reusing one the engine is closing would fail the request that
+# picked it, and a request is never sent twice (an engine that read it and then died sends
+# no byte either, so "no answer" does not prove it was not taken).
+KEEPALIVE_SECONDS = 4.0
+
+# A non-streamed answer larger than this is refused (502): the router holds it whole.
+# 32 MiB is hundreds of thousands of tokens of text, with log-probabilities too.
+MAX_RESPONSE_BYTES = 32 << 20
+# Of an error answer, the router reads this much: enough for any JSON error message.
+ERROR_BODY_BYTES = 4 << 10
+
+log = logging.getLogger("pd_router")
+
+_LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
+_LOCAL_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# A probe that got no answer in time: the one failure the router's own lag can explain.
+PROBE_TIMEOUT = "probe timeout"
+
+
+Origin = tuple[str, int, bool]  # host, port, TLS
+
+
+class Target(NamedTuple):
+    origin: Origin
+    host_header: bytes
+    path: bytes
+
+
+@lru_cache(maxsize=1024)
+def target(url: str) -> Target:
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or ""
+    port = parts.port or (443 if tls else 80)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return Target((host, port, tls), parts.netloc.encode("ascii"), path.encode("ascii"))
+
+
+class Response:
+    __slots__ = ("status", "url", "_conn", "_origin", "_upstream", "_read_timeout", "_released")
+
+    def __init__(
+        self, upstream: Upstream, conn: EngineConnection, origin: Origin, status: int, url: str
+    ) -> None:
+        self.status = status
+        self.url = url
+        self._conn = conn
+        self._origin = origin
+        self._upstream = upstream
+        self._read_timeout = upstream.read_timeout
+        self._released = False
+
+    def __enter__(self) -> Response:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def received(self) -> int:
+        """Bytes received on this connection so far: the stall watch's sign of progress."""
+        return self._conn.received
+
+    @property
+    def awaiting(self) -> bool:
+        """Someone waits for the engine's next bytes right now."""
+        return self._conn.awaiting
+
+    def close(self) -> None:
+        """Pool the connection if the answer was read to its end, else close it (the engine
+        aborts). Synchronous, so it also runs in a cancelled scope; only the first call
+        counts, as the connection may serve another request once pooled."""
+        if not self._released:
+            self._released = True
+            self._upstream.release(self._conn, self._origin)
+
+    async def read(self) -> bytes:
+        """The whole answer; more than the router's ``max_response_bytes`` is an error."""
+        limit = self._upstream.max_response_bytes
+        data, whole = await self._read_at_most(limit)
+        if not whole:
+            message = f"{self.url}: answer larger than {limit} bytes (--max-response-bytes)"
+            raise UpstreamError(message, code="response_too_large", kind="too_large")
+        return data
+
+    async def _read_at_most(self, limit: int) -> tuple[bytes, bool]:
+        """Up to ``limit`` bytes of the answer, and whether that was all of it (if not, the
+        connection is closed when the response is, and the engine stops sending)."""
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while data := await self._conn.next_body(self._read_timeout):
+                size += len(data)
+                if size > limit:
+                    return b"".join(parts), False
+                parts.append(data)
+        except _LOST as exc:
+            raise _failure(f"{self.url}: connection lost", exc) from None
+        return b"".join(parts), True
+
+    async def next_chunk(self) -> bytes:
+        """The bytes that arrived since the last call (several chunks coalesced), waiting
+        for some; ``b""`` once the answer ended. A plain coroutine, not an async generator:
+        a generator left before its end would be finalized through the event loop."""
+        try:
+            return await self._conn.next_body(self._read_timeout)
+        except _LOST as exc:
+            raise _failure(f"{self.url}: stream broken", exc) from None
+
+    async def error(self) -> UpstreamError:
+        """The engine's non-200 answer as an error carrying its status and message.
+
+        4xx and 5xx pass on; any other status is not an engine's answer to a generation
+        request (a 204, a redirect, a 101, a 999): 502, and its body is not read."""
+        if not 400 <= self.status < 600:
+            self.close()
+            message = f"{self.url}: answered HTTP {self.status}, not an answer an engine gives"
+            return UpstreamError(message, kind="protocol")
+        raw, _ = await self._read_at_most(ERROR_BODY_BYTES)
+        kind = "http_4xx" if self.status < 500 else "http_5xx"
+        return UpstreamError(
+            f"{self.url}: {_message(self.url, self.status, raw)}", status=self.status, kind=kind
+        )
+
+
+def _message(url: str, status: int, raw: bytes) -> str:
+    message = engine_message(raw)
+    if message is not None:
+        return message
+    if raw:
+        log.warning("%s answered %d with a non-JSON body: %r", url, status, raw[:400])
+    return f"HTTP {status}"
+
+
+class Upstream:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_response_bytes = max_response_bytes
+        # Per origin, idle connections, most recently used last (a dict is an ordered set).
+        self._idle: dict[Origin, dict[EngineConnection, None]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
+
+    async def post(self, url: str, body: Any, request_id: str) -> Response:
+        """POST ``body`` as JSON; returns once the engine's status and headers are in.
+
+        The caller closes the response (``with``, or ``close()``) when done with it.
+        """
+        return await self._request(
+            url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
+        )
+
+    async def probe(self, url: str, timeout: float) -> Failure | None:
+        """GET ``url``: None when it answered 200 in time, else what went wrong."""
+        try:
+            async with asyncio.timeout(timeout):
+                with await self._request(url, b"GET") as response:
+                    await response.read()
+        except TimeoutError:
+            message = f"health check: no answer within {timeout:g} s"
+            return Failure(PROBE_TIMEOUT, message, Evidence.SOFT)
+        except UpstreamError as error:
+            message = f"health check failed: {error.message}"
+            if error.kind == "unreachable":
+                return Failure("probe refused", message, Evidence.HARD)
+            if error.kind in ("broken_stream", "protocol"):
+                return Failure("probe broken", message, Evidence.HARD)
+            kind = PROBE_TIMEOUT if error.undelivered else "probe error"
+            return Failure(kind, message, Evidence.SOFT)
+        if response.status == 200:
+            return None
+        return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
+
+    async def get_json(self, url: str) -> Any:
+        with await self._request(url, b"GET") as response:
+            if response.status != 200:
+                raise await response.error()
+            raw = await response.read()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(f"{url}: answer is not JSON") from None
+
+    async def _request(
+        self, url: str, method: bytes, body: bytes = b"", headers: bytes = b""
+    ) -> Response:
+        where = target(url)
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s" % (
+            method,
+            where.path,
+            where.host_header,
+            headers,
+        )
+        if body:
+            head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        request = head + b"\r\n" + body
+        conn = self._pooled(where.origin) or await self._connect(url, where.origin)
+        try:
+            conn.send(request)
+            status = await conn.head(self.read_timeout)
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, _LOST):
+                raise _failure(f"{url}: no answer", exc) from None
+            raise
+        return Response(self, conn, where.origin, status, url)
+
+    def release(self, conn: EngineConnection, origin: Origin) -> None:
+        if not conn.reusable:
+            conn.close()
+            return
+        idle = self._idle.setdefault(origin, {})
+        conn.idle_since = time.monotonic()
+        conn.on_lost = lambda lost: idle.pop(lost, None)
+        # Closed when too old even if no request comes to find it so (which ``_pooled``
+        # also checks, for a loop that ran the timer late).
+        conn.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, conn.close)
+        idle[conn] = None
+
+    def _pooled(self, origin: Origin) -> EngineConnection | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        too_old = time.monotonic() - KEEPALIVE_SECONDS
+        while idle:
+            conn, _ = idle.popitem()
+            conn.on_lost = None
+            if conn.idle_timer is not None:
+                conn.idle_timer.cancel()
+                conn.idle_timer = None
+            if conn.idle_since >= too_old and conn.reusable:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, url: str, origin: Origin) -> EngineConnection:
+        host, port, tls = origin
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    EngineConnection, host, port, ssl=self._tls_context() if tls else None
+                )
+        except TimeoutError:
+            message = f"{url}: unreachable: connect timed out after {self.connect_timeout:g} s"
+            raise UpstreamError(message, kind="connect_timeout") from None
+        except OSError as exc:
+            if exc.errno in _LOCAL_ERRNOS:
+                # The router's own shortage (file descriptors, buffers): nothing about the
+                # engine, and another engine would fare no better.
+                message = f"{url}: the router cannot open a connection: {_describe(exc)}"
+                raise UpstreamError(message, status=503, kind="local") from None
+            raise UpstreamError(
+                f"{url}: unreachable: {_describe(exc)}", kind="unreachable"
+            ) from None
+        return conn
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+
+def _failure(context: str, exc: BaseException) -> UpstreamError:
+    message = f"{context}: {_describe(exc)}"
+    if isinstance(exc, TimeoutError):
+        # The request's own outcome (504), not a verdict on the engine: a long answer is
+        # not a failure, and a hung engine is the stall watch's to find.
+        return UpstreamError(message, status=504, code="timeout", kind="timeout")
+    return UpstreamError(
+        message, kind="protocol" if isinstance(exc, ProtocolViolation) else "broken_stream"
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,240 @@
+"""One HTTP/1.1 keep-alive connection to an engine: an asyncio protocol around httptools.
+
+Why not a general HTTP client: on the streaming path every engine chunk costs a wake-up of
+the relay and nothing else here. httptools (llhttp, C) parses; the callbacks only append
+bytes and resolve one future; the read timeout is one timer per connection, moved lazily.
+
+States, in order: ``send()`` writes a request; the head arrives (``status``); body chunks
+arrive; the message completes. A connection is reusable only after a complete message the
+engine did not ask to close. Anything else (an abort, a lost peer, a parse error) closes
+it. Errors surface to whoever waits, after every byte that arrived before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import cast
+
+import httptools
+
+from pd_router.errors import fresh
+
+# Engine bytes not yet taken by the relay; above this the socket stops being read, so a
+# slow client slows the engine down (TCP back-pressure) instead of growing our memory.
+HIGH_WATER = 256 << 10
+
+
+class ConnectionLost(ConnectionError):
+    """The engine closed the connection, or the router did, before the answer ended."""
+
+
+class ReadTimeout(TimeoutError):
+    pass
+
+
+class ProtocolViolation(ValueError):
+    """The engine's bytes are not HTTP/1.1."""
+
+
+# What a lost connection parses with: the parser holds the connection's callbacks and the
+# connection its parser, a cycle that would leave every closed connection to the cyclic GC.
+_UNPLUGGED = httptools.HttpResponseParser(None)
+
+
+class EngineConnection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._waiter: asyncio.Future[None] | None = None
+        # The read timeout: one timer per connection, moved lazily. Each wait only sets
+        # ``_deadline``; the timer, when it fires early, re-arms itself for the rest.
+        self._deadline = 0.0
+        self._timeout = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._body: list[bytes] = []
+        self._buffered = 0
+        # Body bytes received over the connection's life (progress, for the stall watch).
+        self.received = 0
+        self._paused = False
+        self._keep_alive = False
+        self._framed = False  # Content-Length or chunked: the end is not the peer closing
+        self._expecting = False  # a request is out and its answer has not ended
+        self.status = 0
+        self.head_done = False
+        self.complete = False
+        self.error: BaseException | None = None
+        # Set by the pool while the connection is idle in it: called if the peer closes.
+        self.idle_since = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.on_lost: Callable[[EngineConnection], None] | None = None
+
+    # ------------------------------------------------------------------ asyncio protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Small SSE events must not wait for the peer's delayed ACK (Nagle).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._expecting:
+            self._lose(ProtocolViolation("the engine sent bytes nobody asked for"))
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._lose(ProtocolViolation(f"invalid HTTP from the engine: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._parser = _UNPLUGGED
+        self._stop_timer()
+        if exc is None and self.head_done and not self.complete and not self._framed:
+            self.complete = True  # an unframed body ends when the peer closes (not resets)
+        if self.error is None and not self.complete:
+            detail = f": {exc}" if exc is not None else ""
+            self.error = ConnectionLost(f"connection closed by the engine{detail}")
+        self._keep_alive = False
+        self._wake()
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    # ------------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if not self._expecting:
+            # A second answer in the same bytes as the one asked for; raising here makes
+            # feed_data fail, so it is not appended to the first answer's body.
+            raise ProtocolViolation("the engine sent bytes nobody asked for")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        self.received += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._expecting = False
+        self._keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+    # ------------------------------------------------------------------ the consumer's side
+
+    @property
+    def reusable(self) -> bool:
+        return (
+            self.complete
+            and self._keep_alive
+            and not self._body
+            and self._transport is not None
+            and not self._transport.is_closing()
+        )
+
+    @property
+    def awaiting(self) -> bool:
+        """A reader waits for the engine (nothing it could take is buffered)."""
+        return self._waiter is not None
+
+    def send(self, request: bytes) -> None:
+        """Write one request; the previous answer, if any, was read to its end."""
+        if self._transport is None:
+            raise ConnectionLost("connection closed by the engine")
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.head_done = self.complete = self._framed = self._keep_alive = False
+        self._expecting = True
+        self._transport.write(request)
+
+    async def head(self, timeout: float) -> int:
+        """The answer's status code, once its head is in."""
+        while not self.head_done:
+            await self._wait(timeout)
+        return self.status
+
+    async def next_body(self, timeout: float) -> bytes:
+        """Every body byte that arrived since the last call; ``b""`` once the answer ended."""
+        while not self._body:
+            if self.complete:
+                return b""
+            await self._wait(timeout)
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        """Close now: an engine mid-answer sees the peer go and aborts the request."""
+        if self.error is None and not self.complete:
+            self.error = ConnectionLost("connection closed by the router")
+        self._keep_alive = False
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self, timeout: float) -> None:
+        if self.error is not None:
+            # A new exception each time, never one a future carries: the kept one, raised,
+            # would hold the frames of its raisers and they this connection (a cycle).
+            raise fresh(self.error)
+        waiter = self._waiter = self._loop.create_future()
+        self._timeout = timeout
+        self._deadline = deadline = self._loop.time() + timeout
+        timer = self._timer
+        if timer is None or deadline < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._check_deadline)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms a timer again
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+            return
+        self.error = ReadTimeout(f"no byte from the engine for {self._timeout:g} s")
+        waiter.set_result(None)
+
+    def _stop_timer(self) -> None:
+        # A pending timer keeps the connection referenced by the loop until it fires.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _lose(self, error: BaseException) -> None:
+        self.error = error
+        self._keep_alive = False
+        if self._transport is not None:
+            self._transport.abort()
+        self._wake()

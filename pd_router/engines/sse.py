@@ -1,0 +1,92 @@
+"""Server-sent events passed through from the decode engine, with no I/O.
+
+Bytes are forwarded as received, cut only at event boundaries so that a client never sees
+half an event from us and we can end the stream cleanly if the engine dies. Only the one
+event that carries prompt usage is parsed and rewritten; every other byte goes through
+untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+_BOUNDARY = b"\n\n"
+_CRLF_BOUNDARY = b"\r\n\r\n"
+# Each is the whole last event: inside an event's JSON a line break is always escaped.
+_DONE_EVENTS = (DONE, b"data: [DONE]\r\n\r\n")
+_USAGE_MARK = b'"prompt_tokens"'
+# An engine that never ends an event must not grow our memory without bound.
+MAX_EVENT_BYTES = 1 << 20
+
+UsageFix = Callable[[dict[str, Any]], None]
+
+
+def patch_usage(payload: bytes, fix: UsageFix) -> bytes:
+    """``payload`` (a JSON document) with ``fix`` applied to its usage, if it has one."""
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return payload
+    return with_usage_fixed(payload, document, fix)
+
+
+def with_usage_fixed(payload: bytes, document: Any, fix: UsageFix) -> bytes:
+    """``payload``, parsed as ``document``: unchanged unless it has a usage to fix."""
+    usage = document.get("usage") if isinstance(document, dict) else None
+    if not isinstance(usage, dict):
+        return payload
+    fix(usage)
+    return orjson.dumps(document)
+
+
+class EventRelay:
+    """Feeds on upstream bytes, returns what to send downstream now.
+
+    Events end with a blank line, its line breaks LF or CRLF (both are SSE; vLLM writes LF).
+    Nothing after ``[DONE]`` goes out: the client stops reading there.
+    """
+
+    def __init__(self, fix: UsageFix) -> None:
+        self._fix = fix
+        self._pending = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        buffered = self._pending + data if self._pending else data
+        cut = _end_of_last_event(buffered)
+        if cut == 0:
+            if len(buffered) > MAX_EVENT_BYTES:
+                raise ValueError(f"an upstream event exceeded {MAX_EVENT_BYTES} bytes")
+            self._pending = buffered
+            return b""
+        ready, self._pending = buffered[:cut], buffered[cut:]
+        for done in _DONE_EVENTS:
+            at = ready.find(done)
+            if at >= 0:
+                self.done = True
+                ready = ready[: at + len(done)]
+                break
+        if ready.find(_USAGE_MARK) >= 0:
+            ready = self._patch(ready)
+        return ready
+
+    def _patch(self, ready: bytes) -> bytes:
+        boundary = _CRLF_BOUNDARY if ready.find(_CRLF_BOUNDARY) >= 0 else _BOUNDARY
+        events = ready.split(boundary)
+        for index, event in enumerate(events):
+            if event.startswith(b"data: ") and event.find(_USAGE_MARK) >= 0:
+                events[index] = b"data: " + patch_usage(event[6:], self._fix)
+        return boundary.join(events)
+
+
+def _end_of_last_event(data: bytes) -> int:
+    """Where the last complete event in ``data`` ends; 0 when none has."""
+    lf = data.rfind(_BOUNDARY)
+    crlf = data.rfind(_CRLF_BOUNDARY)
+    return max(
+        lf + len(_BOUNDARY) if lf >= 0 else 0, crlf + len(_CRLF_BOUNDARY) if crlf >= 0 else 0
+    )

@@ -1,0 +1,78 @@
+"""Which models each node serves, and whether the fleet serves a request's. No I/O.
+
+A node's models come from its engine's ``/v1/models`` (read by ``health.watch_models`` as
+the node starts and every ``REFRESH`` seconds after). Until they are known a node is taken
+to serve any model, so an engine that does not list its models still gets requests, and
+whatever it answers goes back to the client. A request's ``model`` must be served by some
+prefill node and some decode node (dead or draining ones count: they are members of the
+fleet, and their requests are told 503, not 404); otherwise it is answered 404
+``model_not_found`` naming the models that are served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pd_router.errors import ModelNotFound
+from pd_router.fleet.nodes import Node
+
+# Seconds between two reads of a node's models once known; a node whose models are not
+# known yet is asked again after ``RETRY``.
+REFRESH = 30.0
+RETRY = 5.0
+# Seconds one read may take: it runs in the background, so a slow engine delays nobody.
+TIMEOUT = 5.0
+# Models kept of one engine's list, and characters of one id: an engine is trusted to say
+# what it serves, not to fill the router's memory.
+MAX_MODELS = 256
+MAX_ID = 512
+# Served models named in one 404, at most.
+NAMED = 20
+
+
+def parse(answer: object) -> frozenset[str]:
+    """The model ids of a ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not an OpenAI model list (no 'data' array)")
+    ids = [item.get("id") for item in data[:MAX_MODELS] if isinstance(item, dict)]
+    models = frozenset(i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_ID)
+    if not models:
+        # Taken at its word, the node would get nothing; not knowing lets its engine answer.
+        raise ValueError("lists no model")
+    return models
+
+
+def offered(nodes: Iterable[Node]) -> frozenset[str] | None:
+    """The models some of ``nodes`` serve; None when a node's are not known (any model)."""
+    union: set[str] = set()
+    for node in nodes:
+        if node.models is None:
+            return None
+        union |= node.models
+    return frozenset(union)
+
+
+# What each role with nodes serves (None: any model): the fleet keeps it (``Fleet.offer``),
+# made again whenever nodes or their models change, so a request does not rebuild it.
+Offer = tuple[frozenset[str] | None, ...]
+
+
+def offer(prefill: Sequence[Node], decode: Sequence[Node]) -> Offer:
+    """A role with no node at all is left out: its requests are told that no node is live
+    (503), which is the truth."""
+    return tuple(offered(nodes) for nodes in (prefill, decode) if nodes)
+
+
+def check(model: str, sides: Offer) -> None:
+    """Raise ``ModelNotFound`` unless every role of ``sides`` may serve ``model``."""
+    if all(side is None or model in side for side in sides):
+        return
+    known = [side for side in sides if side is not None]
+    served = sorted(frozenset.intersection(*known))
+    if not served:
+        listing = "no model is served by both a prefill and a decode node"
+    else:
+        more = f" and {len(served) - NAMED} more" if len(served) > NAMED else ""
+        listing = "served: " + ", ".join(served[:NAMED]) + more
+    raise ModelNotFound(f"The model {model[:MAX_ID]!r} is not served here ({listing})")

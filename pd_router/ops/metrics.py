@@ -1,0 +1,260 @@
+"""/metrics: Prometheus exposition through ``prometheus-client``.
+
+Everything is plain integers and floats kept by the request path (outcomes, upstream
+errors, slots, node states, the four latency histograms' buckets) and turned into metric
+families by one collector at scrape time: a request pays a ``bisect`` and an increment per
+histogram, not prometheus-client's locks and per-bucket loop. Nothing is done per chunk.
+Labels are bounded: endpoint, outcome, node id/url/role, error kind; never a request id.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from pd_router.discovery.rules import Discovery
+from pd_router.edge.validation import PATHS
+from pd_router.fleet.nodes import Node, State
+from pd_router.fleet.registry import Fleet
+
+OUTCOMES = (
+    "ok",
+    "client_aborted",
+    "rejected_busy",
+    "rejected_timeout",
+    "no_live_node",
+    "prefill_error",
+    "decode_error",
+    "node_dead",
+    "aborted",
+    "shutting_down",
+    "bad_request",
+    "model_not_found",
+    "timeout",
+    "stalled",
+    "state_unavailable",
+    "internal_error",
+)
+
+# Seconds: from sub-millisecond router overhead to multi-minute generations.
+_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+@dataclass
+class Timings:
+    """One finished request, as the histograms see it (None: that phase never ran)."""
+
+    queued: float | None
+    prefill: float | None
+    ttft: float | None
+    duration: float
+
+
+class Histogram:
+    """Bucket counts for one latency; exposed in Prometheus' cumulative form at scrape."""
+
+    __slots__ = ("name", "help", "counts", "sum")
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.help = text
+        self.counts = [0] * (len(_BUCKETS) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        # Prometheus buckets are "less than or equal": bisect_left puts an exact bound in it.
+        self.counts[bisect_left(_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative = []
+        total = 0
+        for bound, count in zip((*map(_bound, _BUCKETS), "+Inf"), self.counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        return HistogramMetricFamily(self.name, self.help, buckets=cumulative, sum_value=self.sum)
+
+
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))
+
+
+class Telemetry:
+    def __init__(self, fleet: Fleet, discovery: Discovery | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
+        self.upstream_errors: dict[tuple[Node, str], int] = {}
+        # (policy, "hit" or "miss"): prefill picks, by whether the prefix went where it
+        # went last time.
+        self.prefill_picks: dict[tuple[str, str], int] = {}
+        self.queue_wait = Histogram(
+            "pd_router_queue_wait_seconds", "Time from arrival to a reserved decode slot."
+        )
+        self.prefill = Histogram(
+            "pd_router_prefill_duration_seconds", "Prefill request duration, retries included."
+        )
+        self.ttft = Histogram(
+            "pd_router_time_to_first_token_seconds",
+            "Time from arrival to the first byte of the answer sent to the client.",
+        )
+        self.duration = Histogram(
+            "pd_router_request_duration_seconds", "Time from arrival to the request's end."
+        )
+        self.registry.register(_StateCollector(fleet, self))
+        if discovery is not None:
+            self.registry.register(_DiscoveryCollector(discovery))
+
+    @property
+    def histograms(self) -> tuple[Histogram, ...]:
+        return (self.queue_wait, self.prefill, self.ttft, self.duration)
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        key = (endpoint, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def upstream_error(self, node: Node, kind: str) -> None:
+        key = (node, kind)
+        self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def prefill_picked(self, policy: str, hit: bool) -> None:
+        key = (policy, "hit" if hit else "miss")
+        self.prefill_picks[key] = self.prefill_picks.get(key, 0) + 1
+
+    def observe(self, timings: Timings) -> None:
+        if timings.queued is not None:
+            self.queue_wait.observe(timings.queued)
+        if timings.prefill is not None:
+            self.prefill.observe(timings.prefill)
+        if timings.ttft is not None:
+            self.ttft.observe(timings.ttft)
+        self.duration.observe(timings.duration)
+
+
+class _StateCollector(Collector):
+    def __init__(self, fleet: Fleet, telemetry: Telemetry) -> None:
+        self._fleet = fleet
+        self._telemetry = telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        fleet = self._fleet
+        pool = fleet.pool
+        requests = CounterMetricFamily(
+            "pd_router_requests",
+            "Requests finished, by endpoint and outcome.",
+            labels=["endpoint", "outcome"],
+        )
+        for (endpoint, outcome), count in sorted(self._telemetry.outcomes.items()):
+            requests.add_metric([endpoint, outcome], count)
+        yield requests
+        errors = CounterMetricFamily(
+            "pd_router_upstream_errors",
+            "Engine failures seen by requests, by node and kind.",
+            labels=["node", "url", "role", "kind"],
+        )
+        for (node, kind), count in self._telemetry.upstream_errors.items():
+            errors.add_metric([str(node.id), node.url, node.role, kind], count)
+        yield errors
+        picks = CounterMetricFamily(
+            "pd_router_prefill_picks",
+            "Prefill nodes picked, by policy and prefix: hit when this router last sent the "
+            "request's prefix key (its conversation's opening) to the same node.",
+            labels=["policy", "prefix"],
+        )
+        for (policy, prefix), count in sorted(self._telemetry.prefill_picks.items()):
+            picks.add_metric([policy, prefix], count)
+        yield picks
+        yield GaugeMetricFamily(
+            "pd_router_queue_depth", "Requests waiting for a decode slot.", value=pool.queue_depth
+        )
+        yield GaugeMetricFamily(
+            "pd_router_in_flight", "Requests bound to nodes now.", value=len(fleet.bindings)
+        )
+        yield CounterMetricFamily(
+            "pd_router_slot_acquisitions", "Decode slots reserved since start.", value=pool.acquired
+        )
+        yield CounterMetricFamily(
+            "pd_router_slot_releases", "Decode slots released since start.", value=pool.released
+        )
+        labels = ["node", "url", "role"]
+        slots = GaugeMetricFamily("pd_router_node_slots", "Slots per node.", labels=labels)
+        in_use = GaugeMetricFamily(
+            "pd_router_node_slots_in_use", "Reserved decode slots per node.", labels=labels
+        )
+        state = GaugeMetricFamily(
+            "pd_router_node_state", "1 for the state each node is in.", labels=[*labels, "state"]
+        )
+        reason = GaugeMetricFamily(
+            "pd_router_node_reason",
+            "1 for why a node is not serving: the evidence (probe timeout, stalled, ...).",
+            labels=[*labels, "reason"],
+        )
+        failures = GaugeMetricFamily(
+            "pd_router_node_consecutive_failures", "Failures in a row per node.", labels=labels
+        )
+        source = GaugeMetricFamily(
+            "pd_router_node_source",
+            "1 for where each node came from: static, admin, or the DNS name that lists it.",
+            labels=[*labels, "source"],
+        )
+        for node in fleet.nodes:
+            values = [str(node.id), node.url, node.role]
+            slots.add_metric(values, node.slots)
+            in_use.add_metric(values, node.in_use)
+            failures.add_metric(values, node.failures)
+            source.add_metric([*values, node.source], 1.0)
+            for each in State:
+                state.add_metric([*values, each.value], float(node.state is each))
+            if node.reason is not None:
+                reason.add_metric([*values, node.reason], 1.0)
+        yield slots
+        yield in_use
+        yield state
+        yield reason
+        yield failures
+        yield source
+        for histogram in self._telemetry.histograms:
+            yield histogram.family()
+
+
+class _DiscoveryCollector(Collector):
+    """What the DNS lookups of each name did (``discovery/rules.py``)."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "name"]
+        lookups = CounterMetricFamily(
+            "pd_router_discovery_lookups",
+            "DNS lookups per name, by outcome: ok, empty (no address: fleet kept), failed.",
+            labels=[*labels, "outcome"],
+        )
+        changes = CounterMetricFamily(
+            "pd_router_discovery_changes",
+            "Fleet changes made by DNS discovery per name: added, drained, rejoined, removed.",
+            labels=[*labels, "change"],
+        )
+        listed = GaugeMetricFamily(
+            "pd_router_discovery_addresses",
+            "Addresses in the last answer that listed any, per name.",
+            labels=labels,
+        )
+        for group in self._discovery.groups:
+            names = [group.spec.role, group.spec.source.removeprefix("dns:")]
+            for outcome, count in group.lookups.items():
+                lookups.add_metric([*names, outcome], count)
+            for change, count in group.changes.items():
+                changes.add_metric([*names, change], count)
+            listed.add_metric(names, group.listed)
+        yield lookups
+        yield changes
+        yield listed

@@ -1,0 +1,496 @@
+"""The router process: its flags, its parts put together, uvicorn on one socket.
+
+Flags can also come from the environment and a TOML file (``config.py``). ``cli.py``
+dispatches to this, to ``demo.py`` (the same router in front of simulated engines) and to
+``status.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import gc
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from pd_router import config, workers
+from pd_router.app import MAX_BODY_BYTES, AppOptions, create_app
+from pd_router.discovery.resolver import Resolver
+from pd_router.discovery.rules import Discovery, Group
+from pd_router.edge.protocol import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    IDLE_TIMEOUT,
+    LINGER,
+    MAX_HEAD_BYTES,
+    MIN_BODY_RATE,
+    ClientLimits,
+    ClientStats,
+    default_max_connections,
+    protocol,
+)
+from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream
+from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
+from pd_router.fleet.pool import DecodePool
+from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
+from pd_router.fleet.registry import Fleet
+from pd_router.ops import logs
+from pd_router.relay import Router, Settings
+from pd_router.shared.pool import SharedPool
+from pd_router.shared.redis import Redis, parse_url
+
+log = logging.getLogger("pd_router")
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")  # fails every range check below
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= workers.MAX_WORKERS:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 1 and <= {workers.MAX_WORKERS}, got {text!r}"
+        )
+    return value
+
+
+def _dns_server(text: str) -> tuple[str, int]:
+    """``IP[:PORT]`` (``[IPv6]:PORT``), port 53 by default: the resolver asks an address."""
+    host, port = text.strip(), "53"
+    if host.startswith("["):
+        host, _, rest = host[1:].partition("]")
+        if rest:
+            port = rest.removeprefix(":")
+    elif host.count(":") == 1:
+        host, port = host.split(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected an IP address and port of a DNS server (10.96.0.10:53, [::1]:53), "
+            f"got {text!r}"
+        )
+    return host, number
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 0 to 65535 (0: any free port), got {text!r}"
+        )
+    return value
+
+
+# (flag, type, default, metavar, help): one table, so every option reads the same way.
+OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
+    ("--host", str, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
+    ("--port", _port, 8000, "PORT", "port to listen on; 0 picks a free one, which is logged"),
+    ("--decode-slots", _positive, 1, "N",
+     "sequences each decode node serves at once, unless the node says otherwise"),
+    ("--queue-timeout", _seconds, 0.0, "SECONDS",
+     "wait up to this long for a free decode slot; 0 fails fast with 429"),
+    ("--connect-timeout", _timeout, 5.0, "SECONDS", "give up connecting to an engine"),
+    ("--read-timeout", _timeout, 600.0, "SECONDS",
+     "give up on an engine that sends nothing for this long"),
+    ("--handoff-grace", _seconds, 5.0, "SECONDS",
+     "after a client left between prefill and decode, how long the decode engine gets to "
+     "take the KV before the router drops the request"),
+    ("--max-body-bytes", _positive, MAX_BODY_BYTES, "BYTES",
+     "largest request body accepted (413 above)"),
+    ("--max-header-bytes", _positive, MAX_HEAD_BYTES, "BYTES",
+     "largest request line and headers accepted (431 above, and the connection closed)"),
+    ("--max-response-bytes", _positive, MAX_RESPONSE_BYTES, "BYTES",
+     "largest non-streamed engine answer the router holds (502 above); streams are relayed "
+     "as they come and not limited"),
+    ("--header-timeout", _seconds, HEADER_TIMEOUT, "SECONDS",
+     "a request line and headers must be complete this long after their first byte (a new "
+     "connection's: after it opened), or get 408 and the connection closed; 0: no limit"),
+    ("--body-timeout", _seconds, BODY_TIMEOUT, "SECONDS",
+     f"a request body must bring at least {MIN_BODY_RATE} bytes a second (or its end) in "
+     "each window this long, or get 408 and the connection closed; 0: no limit"),
+    ("--idle-timeout", _seconds, IDLE_TIMEOUT, "SECONDS",
+     "close a keep-alive connection idle this long; keep it above clients' own pool "
+     "timeouts (5 s for httpx and the openai SDK); 0 closes after each response"),
+    ("--max-connections", _positive, None, "N",
+     "client connections open at once; a new one beyond gets 503 too_many_connections "
+     "(default: half the open-file limit, less 64)"),
+    ("--health-interval", _seconds, 1.0, "SECONDS",
+     "probe every node's /health this often; 0 turns probing off"),
+    ("--health-timeout", _timeout, 1.0, "SECONDS",
+     "a slower probe counts as a (soft) failure, unless the router itself lagged"),
+    ("--unhealthy-after", _positive, 3, "N",
+     "failures in a row that make a node unhealthy (no new requests; soft: slow, 5xx) "
+     "or dead (its requests failed; hard: reset, broken streams, refused probes)"),
+    ("--healthy-after", _positive, 2, "N",
+     "good probes in a row that readmit an unhealthy or dead node"),
+    ("--stall-timeout", _seconds, 30.0, "SECONDS",
+     "a decode node whose started streams all sent nothing for this long is hung: those "
+     "streams end with an error and it gets no new requests for as long; 0 turns it off"),
+    ("--state", str, None, "URL",
+     "redis://[user:pass@]host:port/db (or rediss://): share the decode slots and their "
+     "queue with every router on that Redis; unset, this process keeps its own"),
+    ("--workers", _workers, 1, "N",
+     "router processes serving the port, each a whole router; more than 1 needs --state"),
+    ("--discovery-interval", _timeout, 5.0, "SECONDS",
+     "resolve every --prefill-dns and --decode-dns name this often"),
+    ("--discovery-drain-timeout", _seconds, 300.0, "SECONDS",
+     "a node whose address left DNS is removed once it holds no request, or after this "
+     "long, failing what it still holds"),
+    ("--dns-server", _dns_server, None, "HOST:PORT",
+     "the DNS server to ask for discovery; unset, the system's resolver configuration"),
+    ("--admin-token", str, None, "TOKEN",
+     "enable /admin/* behind this bearer token; unset, /admin/* is off"),
+    ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
+     "on SIGTERM, how long in-flight requests get to finish before they are failed"),
+]  # fmt: skip
+
+
+def add_router_flags(
+    parser: argparse.ArgumentParser, *, engines: bool = True
+) -> list[argparse.Action]:
+    """Add the router's flags; returns them, for the other sources of settings.
+
+    Without ``engines`` (the demo starts its own) ``--prefill`` and ``--decode`` are hidden
+    and optional, yet known in every source: the caller refuses them in its own words.
+    """
+    actions: list[argparse.Action] = []
+
+    def add(flag: str, **kwargs: Any) -> None:
+        actions.append(parser.add_argument(flag, **kwargs))
+
+    def engine_help(text: str) -> str:
+        return text if engines else argparse.SUPPRESS
+
+    add(
+        "--prefill",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL",
+        help=engine_help("prefill engine base URL (repeat or list several)"),
+    )
+    add(
+        "--decode",
+        action="extend",
+        nargs="+",
+        required=engines,
+        metavar="URL[,slots=N]",
+        help=engine_help("decode engine base URL, optionally with its own slot count"),
+    )
+    add(
+        "--prefill-dns",
+        action="extend",
+        nargs="+",
+        metavar="NAME:PORT",
+        help=engine_help(
+            "discover prefill engines as the addresses NAME resolves to (A, AAAA; SRV records "
+            "when NAME starts with _, without :PORT), beside or instead of --prefill"
+        ),
+    )
+    add(
+        "--decode-dns",
+        action="extend",
+        nargs="+",
+        metavar="NAME:PORT[,slots=N][,KEY=VALUE]",
+        help=engine_help(
+            "discover decode engines by DNS as --prefill-dns does; slots=N for their slots, "
+            "other KEY=VALUE options are labels"
+        ),
+    )
+    for flag, kind, default, metavar, text in OPTIONS:
+        add(flag, type=kind, default=default, metavar=metavar, help=text)
+    add(
+        "--prefill-policy",
+        default=DEFAULT_POLICY,
+        choices=list(POLICIES),
+        help="how a prefill node is picked: prefix sends a conversation's turns to the node "
+        "that holds its prefix (the same from every router), unless that node is clearly "
+        "busier than the rest; least_loaded, the fewest prefills in flight; round_robin, in turn",
+    )
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log lines shown",
+    )
+    add("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
+    add(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log every HTTP request (uvicorn)",
+    )
+    add(
+        "--config",
+        metavar="FILE",
+        help="TOML file of settings, keys named as the flags with _ for - (queue_timeout) "
+        "(default: $PD_ROUTER_CONFIG)",
+    )
+    return actions  # fmt: skip
+
+
+def parse_router_args(
+    parser: argparse.ArgumentParser,
+    actions: Sequence[argparse.Action],
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+) -> argparse.Namespace:
+    """The command line over ``PD_ROUTER_*`` over the config file over the defaults."""
+    options = config.options_of(actions)
+    # Only now may argparse forget defaults and requirements: a flag it leaves out of the
+    # namespace is one the command line did not give, which a lower source may fill in.
+    # --help is shown after that, so the defaults go into the help text first (the demo's
+    # own ones, where it changed them).
+    for action in actions:
+        if action.default is not None and action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help} (default: {_shown(action.default)})"
+        action.default = argparse.SUPPRESS
+        action.required = False
+    given = vars(parser.parse_args(argv))
+    try:
+        args = argparse.Namespace(**config.resolve(options, given, environ))
+    except config.ConfigError as exc:
+        parser.error(str(exc))
+    if args.workers > 1 and args.state is None:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --workers {args.workers} needs --state: without a shared "
+            "pool each worker would count the slots on its own\n",
+        )
+    return args
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def build_router(args: argparse.Namespace) -> Router:
+    prefill = make_nodes(args.prefill or [], 1, role="prefill")
+    decode = make_nodes(args.decode or [], args.decode_slots, first_id=len(prefill))
+    names = [*(args.prefill_dns or []), *(args.decode_dns or [])]
+    discovery = None
+    if names:
+        if args.dns_server is None:
+            Resolver()  # the system's configuration must be there: refused now, not later
+        discovery = Discovery(
+            [Group(spec) for spec in names],
+            decode_slots=args.decode_slots,
+            interval=args.discovery_interval,
+            drain_timeout=args.discovery_drain_timeout,
+            server=args.dns_server,
+        )
+    policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
+    pool: Callable[[list[Node]], DecodePool] = DecodePool
+    if args.state is not None:
+        # A Redis that does not answer within a second is away: fail new requests fast.
+        redis = Redis(parse_url(args.state), timeout=1.0)
+        pool = partial(SharedPool, redis=redis)
+    return Router(
+        fleet=Fleet(prefill, decode, policy, pool=pool, prefill_policy=args.prefill_policy),
+        upstream=Upstream(
+            connect_timeout=args.connect_timeout,
+            read_timeout=args.read_timeout,
+            max_response_bytes=args.max_response_bytes,
+        ),
+        settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
+        discovery=discovery,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, telling the router about SIGTERM/SIGINT as it stops accepting."""
+
+    def __init__(self, config: uvicorn.Config, router: Router) -> None:
+        super().__init__(config)
+        self._router = router
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn names the address only of sockets it bound itself; this line is also the
+        # one that tells which port --port 0 got.
+        for sock in sockets or ():
+            host, port = sock.getsockname()[:2]
+            log.info("listening on http://%s", address(host, port))
+
+    async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super()._serve(sockets)
+        # uvicorn re-raises the signal it stopped on, so the exit status would say "killed";
+        # a shutdown that drained gracefully is a success (exit 0) for the orchestrator.
+        self._captured_signals.clear()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between any two bytecodes: hand the work to the loop.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._router.begin_shutdown)
+        super().handle_exit(sig, frame)
+
+
+def listen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> socket.socket:
+    """The router's socket, bound and listening before anything else starts, so that a taken
+    address is one line and exit 2 rather than a banner, uvicorn's start-up, then its error
+    (and, for the demo, engines started for nothing). Port 0 becomes the port the system
+    chose, so that the messages after this one name the real port."""
+    # As uvicorn decides it: a colon makes an IPv6 address; names resolve as IPv4.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A restart need not wait for the last run's connections to leave TIME_WAIT; a port
+        # another process listens on is still refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        if exc.errno == errno.EADDRINUSE:
+            reason += "; pass --port to choose another (or --port 0 for any free port)"
+        where = address(args.host, args.port)
+        parser.exit(2, f"{parser.prog}: error: cannot listen on {where}: {reason}\n")
+    args.port = sock.getsockname()[1]
+    return sock
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as it goes in a URL."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None:
+    """Serve on ``sock`` until SIGTERM or SIGINT, here or in ``--workers`` processes."""
+    if args.workers == 1:
+        _serve(args, router, sock)
+        return
+    logs.configure(args.log_level, args.log_format)
+    # ``router`` was the check that the flags make one; it is not a worker's: each must be a
+    # router of its own to the shared pool (its own id and lease), so each builds its own.
+    code = workers.supervise(args.workers, partial(_work, args, sock), sock)
+    if code:
+        raise SystemExit(code)
+
+
+def _work(args: argparse.Namespace, sock: socket.socket, worker: int) -> None:
+    _serve(args, build_router(args), sock, worker)
+
+
+def _serve(
+    args: argparse.Namespace, router: Router, sock: socket.socket, worker: int | None = None
+) -> None:
+    logs.configure(args.log_level, args.log_format)
+    if worker is not None:
+        workers.tag_logs(worker, args.log_format)
+    options = AppOptions(
+        max_body_bytes=args.max_body_bytes,
+        admin_token=args.admin_token,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        stall_timeout=args.stall_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    limits = ClientLimits(
+        max_head=args.max_header_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections or default_max_connections(),
+    )
+    stats = ClientStats()
+    router.telemetry.registry.register(stats)
+    config = uvicorn.Config(
+        create_app(router, options),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        http=protocol(limits, stats),
+        # The router serves no WebSocket: an upgrade would hand the connection to a
+        # protocol without the client limits.
+        ws="none",
+        # uvicorn's loggers go through ours, so --log-format applies to them too.
+        log_config=None,
+        timeout_keep_alive=args.idle_timeout,
+        # The app fails what still runs at --shutdown-timeout; a client that does not read
+        # its stream would still hold uvicorn, which waits for every connection to close.
+        timeout_graceful_shutdown=args.shutdown_timeout + LINGER,
+    )
+    _settle_heap()
+    _Server(config, router).run(sockets=[sock])
+
+
+def _settle_heap() -> None:
+    """Keep the garbage collector to per-request garbage, in larger batches.
+
+    Measured under streaming load (1 prefill + 2 decode sims, 64 clients): with the default
+    thresholds a young-generation collection ran every ~20 requests and the collector took
+    ~7% of the router's CPU; with the start-up heap frozen (it lives as long as the process)
+    and a 10,000-object young generation, ~1%. The price is a few MB of garbage at most.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+
+
+def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """``pd-router``'s own parser, and the actions that other sources can set."""
+    parser = argparse.ArgumentParser(
+        prog="pd-router",
+        description="One OpenAI-compatible endpoint in front of prefill and decode engines. "
+        "Every flag can also be set as PD_ROUTER_<FLAG> (e.g. PD_ROUTER_QUEUE_TIMEOUT) or in "
+        "a TOML file (queue_timeout = 30); the command line wins, then the environment, "
+        "then the file. "
+        "`pd-router demo` runs the router in front of simulated engines on loopback; "
+        "`pd-router status` shows a running router's nodes.",
+    )
+    return parser, add_router_flags(parser)

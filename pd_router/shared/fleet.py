@@ -1,0 +1,370 @@
+"""The fleet shared by every router on one Redis (``--state``): the I/O around
+``membership.apply``, which decides.
+
+* Ids. A node's id is Redis's (``{pdr}:node-ids``: one per role and URL, never deleted, so
+  never given to another node). A router's ``--prefill``/``--decode`` nodes are registered
+  when it registers with the shared state (before its slots are written): a URL new to the
+  fleet gets a new id; a known one keeps its id, slots and admin state, so that a restart
+  of every router keeps what operators changed.
+* Changes. Add, drain and remove go to Redis in one script that also publishes on
+  ``{pdr}:fleet``; every router reloads the fleet on hearing it, and every ``RECONCILE``
+  seconds anyway (a message lost while its subscription was down).
+* DNS discovery. An address a router's lookup lists is registered like an operator's add
+  but without overwriting a known node (``discover``); a router whose own lookups lost it
+  drains it as ``draining gone`` (only a serving node), undoes only that drain, and
+  removes the node with the admin removal's checks (README: discovery, several routers).
+* Health. A death, an unhealthy verdict or a readmission found here is written to
+  ``{pdr}:health`` and published the same way; until Redis has it, the local verdict
+  stands over the stored one. A stall stays this router's (its own streams).
+* Probing. One router probes the engines for the fleet (``{pdr}:prober``, a lease renewed
+  every third of ``LEASE``); the others take its verdicts. While Redis is away each router
+  probes for itself.
+* Requests in flight per node are written every second they change (and every third of
+  the lease) under a key that expires with the router's lease: ``in_flight`` reads every
+  live router's.
+* Redis away: the local fleet stays as it is, requests in flight go on, admin changes get
+  503 ``shared state unavailable``; verdicts wait and are sent when Redis answers, and the
+  next reload reconciles. A Redis that lost the fleet gets it back from the routers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pd_router.errors import StateUnavailable
+from pd_router.fleet.membership import GONE, Background, Record, Verdict, apply
+from pd_router.fleet.nodes import Node, Role, State
+from pd_router.fleet.registry import Fleet
+from pd_router.shared import scripts
+from pd_router.shared.pool import SharedPool
+from pd_router.shared.redis import RETRY, RedisError, RedisUnavailable, Script
+
+log = logging.getLogger("pd_router.shared_fleet")
+
+# Seconds between reloads with no message: the safety net, not the way changes travel.
+RECONCILE = 5.0
+# Seconds between looks at this router's requests per node (written only when changed).
+IN_FLIGHT_EVERY = 1.0
+
+_NODES = Script(scripts.NODES)
+_ADMIN = Script(scripts.ADMIN)
+_DNS_ADMIN = Script(scripts.DNS_ADMIN)
+_VERDICT = Script(scripts.VERDICT)
+_SNAPSHOT = Script(scripts.SNAPSHOT)
+_PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
+_IN_FLIGHT = Script(scripts.IN_FLIGHT)
+_PROBER = Script(scripts.PROBER)
+_UNPROBE = Script(scripts.UNPROBE)
+_PROBING = {True: "probes the engines for the fleet", False: "leaves probing to another router"}
+
+
+class SharedFleet:
+    def __init__(self, fleet: Fleet, pool: SharedPool, probes: bool = True) -> None:
+        """``probes``: this router probes the engines (``--health-interval`` > 0), so it
+        may be the fleet's prober."""
+        self.fleet = fleet
+        self.pool = pool
+        self.redis = pool.redis
+        self.router_id = pool.router_id
+        # This router's configured nodes and slots, until they have the fleet's ids.
+        self._configured: list[tuple[Node, int]] | None = [(n, n.slots) for n in fleet.nodes]
+        # Those, once adopted, until the next reload compares their slots with the fleet's.
+        self._flagged: list[tuple[Node, int]] = []
+        # The fleet as last read from Redis: what is put back if Redis loses it.
+        self.records: dict[int, Record] = {}
+        # Verdicts found here that Redis has not taken yet (by node: a node found dead
+        # before this router registered still has the id of its flags' order).
+        self._unsent: dict[Node, Verdict] = {}
+        # Created on first use: an anyio lock needs a running loop.
+        self._lock: anyio.Lock | None = None
+        self.probes = probes
+        # Holds the prober lease (or cannot tell, Redis being away: then it probes).
+        self._prober = False
+        self._published: dict[int, int] | None = None
+        self._published_at = -math.inf
+        verdicts: tuple[MemoryObjectSendStream[Node], MemoryObjectReceiveStream[Node]]
+        verdicts = anyio.create_memory_object_stream(math.inf)
+        self._found, self._to_send = verdicts
+        fleet.on_verdict = self._verdict_found
+        pool.before_register = self.register
+
+    # ------------------------------------------------------------------ Membership
+
+    async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
+        node = await self._register("set", Record(-1, role, url, slots, labels, source="admin"))
+        if node is None:  # removed by another router in the meantime
+            raise ValueError(f"{role} node {url} was removed meanwhile")
+        return node
+
+    async def drain(self, node: Node) -> None:
+        await self._set_admin(node, "draining")
+
+    async def remove(self, node: Node, force: bool) -> None:
+        """Refused as in one process, and also while another router has requests on it."""
+        if not force:
+            if node.state in (State.SERVING, State.UNHEALTHY):
+                raise ValueError(f"node {node.id} is {node.state.value}: drain it first")
+            if node.bound:
+                raise ValueError(f"node {node.id} still has {len(node.bound)} requests in flight")
+            counts = await self.in_flight()
+            elsewhere = sum(
+                c.get(node.id, 0) for router, c in counts.items() if router != self.router_id
+            )
+            if elsewhere:
+                raise ValueError(
+                    f"node {node.id} still has {elsewhere} requests in flight on other routers"
+                )
+        await self._set_admin(node, "removed forced" if force else "removed")
+
+    async def in_flight(self) -> dict[str, dict[int, int]]:
+        """Every live router's requests per node; this router's own as they are now (only
+        those while Redis is away)."""
+        by_router: dict[str, dict[int, int]] = {}
+        reply = []
+        if self.pool.available:  # else not even a timeout's wait
+            with contextlib.suppress(StateUnavailable):
+                reply = await self._run(_IN_FLIGHT, [])
+        for router, pairs in zip(reply[::2], reply[1::2]):
+            by_router[router.decode()] = _counts(pairs)
+        by_router[self.router_id] = self._own_counts()
+        return by_router
+
+    def may_probe(self) -> bool:
+        return self._prober
+
+    # ------------------------------------------------------------------ DNS discovery
+
+    async def discovered(
+        self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
+    ) -> Node | None:
+        """Registered if new (or removed): every router discovering the address agrees on
+        its id; a known node is left as the fleet has it."""
+        return await self._register("discover", Record(-1, role, url, slots, labels, source=source))
+
+    async def gone(self, node: Node) -> None:
+        await self._dns_admin(node, "serving", "draining gone")
+
+    async def back(self, node: Node) -> bool:
+        return await self._dns_admin(node, "draining gone", "serving")
+
+    async def retire(self, node: Node, force: bool) -> None:
+        await self.remove(node, force)
+
+    def background(self) -> Background:
+        work: Background = [
+            ("the shared fleet's changes", self._listen_forever),
+            ("the shared fleet's reconciliation", self._reconcile_forever),
+            ("the shared fleet's verdicts", self._send_verdicts),
+            ("the shared fleet's requests in flight", self._publish_in_flight),
+        ]
+        if self.probes:
+            work.append(("the shared fleet's prober lease", self._prober_lease))
+        return work
+
+    # ------------------------------------------------------------------ registration, reload
+
+    async def register(self) -> None:
+        """Before the pool registers: this router's nodes get their ids, the fleet is read."""
+        async with self._locked():
+            await self._adopt()
+            await self._sync()
+
+    async def _adopt(self) -> None:
+        if self._configured is None:
+            return
+        nodes = [node for node, _ in self._configured]
+        args: list[str] = []
+        for node in nodes:
+            args += [node.role, node.url, Record.of(node).body().decode(), "serving", ""]
+        ids = await self._run(_NODES, ["adopt", self.router_id, *args])
+        seen: set[int] = set()
+        for node, node_id in zip(nodes, ids):
+            if node_id in seen:  # the same URL twice in the flags: one node
+                self.fleet.remove(node, force=True)
+            else:
+                node.id = int(node_id)
+                seen.add(node.id)
+        self._flagged, self._configured = self._configured, None
+
+    async def _put_back(self, missing: list[Record]) -> None:
+        """Redis lost these nodes (it restarted empty): write them back, under their ids
+        where nobody took them meanwhile (``apply`` follows any that changed)."""
+        args: list[str] = []
+        for r in missing:
+            args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
+        await self._run(_NODES, ["adopt", self.router_id, *args])
+        log.warning("the shared state had lost %d nodes of the fleet: put back", len(missing))
+
+    async def _sync(self) -> None:
+        """Read the fleet and make the local one match (the lock held)."""
+        records, verdicts = await self._read()
+        known = {(r.role, r.url) for r in records.values()}
+        missing = [r for r in self.records.values() if (r.role, r.url) not in known]
+        if missing:
+            await self._put_back(missing)
+            records, verdicts = await self._read()
+        self.records = records
+        apply(self.fleet, records, verdicts, self._unsent)
+        flagged, self._flagged = self._flagged, []
+        for node, slots in flagged:
+            if node.slots != slots and node in self.fleet.nodes:
+                log.warning(
+                    "%s node %s (%s): the shared fleet has %d slots, this router's flags %d; "
+                    "the fleet's hold (POST /admin/nodes changes them)",
+                    node.role, node.id, node.url, node.slots, slots,
+                )  # fmt: skip
+
+    async def _read(self) -> tuple[dict[int, Record], dict[int, Verdict]]:
+        nodes, admin, health = await self._run(_SNAPSHOT, [])
+        states = dict(zip(admin[::2], admin[1::2]))
+        records: dict[int, Record] = {}
+        for key, body in zip(nodes[::2], nodes[1::2]):
+            try:
+                records[int(key)] = Record.parse(int(key), body, states.get(key))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("shared fleet: node %s unreadable, left as it is: %r", key, exc)
+        verdicts: dict[int, Verdict] = {}
+        for key, body in zip(health[::2], health[1::2]):
+            try:
+                verdicts[int(key)] = Verdict.parse(body)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("shared fleet: verdict on node %s unreadable: %r", key, exc)
+        return records, verdicts
+
+    async def _register(self, how: str, record: Record) -> Node | None:
+        """``record`` (its id is Redis's to give) written as ``how`` says (``NODES``)."""
+        body = record.body().decode()
+        async with self._locked():
+            await self._adopt()
+            args = [how, self.router_id, record.role, record.url, body, "serving", ""]
+            (node_id,) = await self._run(_NODES, args)
+            await self._sync()
+        return self.fleet.node(node_id)
+
+    async def _dns_admin(self, node: Node, expected: str, state: str) -> bool:
+        async with self._locked():
+            await self._adopt()
+            changed = await self._run(_DNS_ADMIN, [self.router_id, str(node.id), expected, state])
+            await self._sync()
+        return bool(changed)
+
+    async def _set_admin(self, node: Node, state: str) -> None:
+        async with self._locked():
+            await self._adopt()
+            if not await self._run(_ADMIN, [self.router_id, str(node.id), state]):
+                raise ValueError(f"node {node.id} is not in the shared fleet")
+            await self._sync()
+
+    # ------------------------------------------------------------------ verdicts found here
+
+    def _verdict_found(self, node: Node) -> None:
+        """The fleet found ``node`` dead, or back (synchronous: the fleet's hook)."""
+        self._unsent[node] = Verdict.of(node, self.router_id)
+        self._found.send_nowait(node)
+        record = self.records.get(node.id)
+        if record is not None and record.admin == "draining":
+            # Back from the dead, still drained (by an operator, or for DNS).
+            self.fleet.drain(node, GONE if record.gone else "drained")
+
+    async def _send_verdicts(self) -> None:
+        async for node in self._to_send:
+            while (verdict := self._unsent.get(node)) is not None:
+                try:
+                    async with self._locked():
+                        await self._adopt()  # the node's id is the fleet's
+                        await self._run(_VERDICT, [self.router_id, str(node.id), verdict.body()])
+                        if self._unsent.get(node) is verdict:
+                            del self._unsent[node]
+                    break
+                except StateUnavailable:
+                    await anyio.sleep(RETRY)
+
+    # ------------------------------------------------------------------ background
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                async with self.redis.subscribe(scripts.FLEET_CHANNEL) as subscription:
+                    await self._reload()  # what changed while nobody listened
+                    while True:
+                        _, sender = await subscription.next_message()
+                        if sender.decode() != self.router_id:
+                            await self._reload()
+            except (RedisUnavailable, RedisError, StateUnavailable):
+                await anyio.sleep(RETRY)
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await anyio.sleep(RECONCILE)
+            try:
+                await self._reload()
+            except StateUnavailable:
+                pass  # the pool says so; the next round tries again
+
+    async def _reload(self) -> None:
+        async with self._locked():
+            if self._configured is None:  # else the pool's registration adopts first
+                await self._sync()
+
+    async def _prober_lease(self) -> None:
+        """Be the fleet's prober while no other router is: one set of probes per fleet,
+        whatever the number of routers and workers. The others hear its verdicts. A router
+        stopping gives the lease up, so that another takes over within a third of the
+        lease; one that dies keeps it until it lapses."""
+        ms = str(int(self.pool.lease * 1000))
+        try:
+            while True:
+                try:
+                    prober = bool(await self._run(_PROBER, [self.router_id, ms]))
+                except StateUnavailable:
+                    prober = True  # its verdicts reach nobody now: it judges for itself
+                if prober != self._prober:
+                    log.info("router %s %s", self.router_id, _PROBING[prober])
+                self._prober = prober
+                await anyio.sleep(self.pool.lease / 3)
+        finally:
+            if self._prober:
+                self._prober = False
+                with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
+                    await self._run(_UNPROBE, [self.router_id])
+
+    async def _publish_in_flight(self) -> None:
+        ms = str(int(self.pool.lease * 1000))
+        while True:
+            counts = {node_id: n for node_id, n in self._own_counts().items() if n}
+            now = anyio.current_time()
+            if counts != self._published or now - self._published_at >= self.pool.lease / 3:
+                pairs = [str(item) for pair in counts.items() for item in pair]
+                try:
+                    await self._run(_PUT_IN_FLIGHT, [self.router_id, ms, *pairs])
+                    self._published, self._published_at = counts, now
+                except StateUnavailable:
+                    pass
+            await anyio.sleep(IN_FLIGHT_EVERY)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _own_counts(self) -> dict[int, int]:
+        return {node.id: len(node.bound) for node in self.fleet.nodes}
+
+    def _locked(self) -> anyio.Lock:
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        return self._lock
+
+    async def _run(self, script: Script, args: Sequence[str | bytes]) -> Any:
+        try:
+            return await script.run(self.redis, (), args)
+        except (RedisUnavailable, RedisError) as exc:
+            raise StateUnavailable(f"shared state unavailable: {exc}") from None
+
+
+def _counts(pairs: list[bytes]) -> dict[int, int]:
+    return {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}

@@ -1,0 +1,373 @@
+"""The decode pool shared by every router process on one Redis (``--state``).
+
+The decisions are ``shared/scripts.py``'s, run atomically by Redis; this module is the I/O
+around them and the waiting, with the in-process pool's contract (``fleet/pool.py``) kept:
+
+* ``acquire`` returns a reservation or raises having taken nothing. The script that takes
+  a slot runs shielded: a cancellation that arrived meanwhile is delivered after the
+  reservation is in hand, inside the ``try`` of ``reserve`` that releases it.
+* A waiter is an entry in Redis's queue for its model, first come first served across
+  routers; a burst on one model queues nobody asking for another. The script that frees a
+  slot hands it to the oldest waiter among the models its node serves (this router says
+  which, from its nodes' models and states: ``_takes``) and publishes it; this router's
+  listener wakes the waiter. A waiter that times out or is cancelled leaves the queue in
+  one script, which also says whether a slot reached it meanwhile: kept on a timeout (as
+  the in-process pool does), given back on a cancellation.
+* ``release`` is synchronous, as in-process, so that it is safe in a cancelled ``finally``:
+  it queues the release, and a worker sends it, again and again while Redis is away (the
+  script is idempotent). Until then Redis counts the slot as used: never over the slots.
+* A router holds a lease, renewed every third of ``lease`` seconds. One that stops
+  renewing (killed, partitioned) has its slots and queue entries returned by the next
+  router to renew, within ``lease`` seconds. A router that finds its registration gone
+  (Redis restarted empty, or its own lease ended) writes back what it holds.
+* Redis away: new requests get 503 ``shared state unavailable`` and ``available`` is
+  false (``/health`` says 503); requests in flight go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pd_router.errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
+from pd_router.fleet.nodes import Node, usable
+from pd_router.fleet.pool import DecodePool, Reservation, Waiter
+from pd_router.shared import scripts
+from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, Script
+
+log = logging.getLogger("pd_router.shared_pool")
+
+# Seconds a router's slots outlive it. Renewed every third of it: two renewals may fail
+# (a slow Redis, a stalled loop) before the lease ends.
+LEASE = 10.0
+# Releases sent in one round trip at most (a script's arguments stay small).
+RELEASE_BATCH = 256
+
+_ACQUIRE = Script(scripts.ACQUIRE)
+_RELEASE = Script(scripts.RELEASE)
+_ABANDON = Script(scripts.ABANDON)
+_RENEW = Script(scripts.RENEW)
+_REGISTER = Script(scripts.REGISTER)
+
+
+class SharedReservation(Reservation):
+    __slots__ = ("id",)
+
+    def __init__(self, pool: SharedPool, node: Node, waited: float, reservation_id: str) -> None:
+        super().__init__(pool, node, waited)
+        self.id = reservation_id
+
+
+class SharedPool(DecodePool):
+    def __init__(self, nodes: Sequence[Node], redis: Redis, lease: float = LEASE) -> None:
+        super().__init__(nodes)
+        self.redis = redis
+        self.lease = lease
+        self.router_id = secrets.token_hex(8)
+        self.available = False
+        self._held: dict[str, SharedReservation] = {}
+        self._waiting: dict[str, Waiter] = {}
+        # Those of them that are in Redis's queue (the others' scripts have not answered).
+        self._queued: set[str] = set()
+        # Run before each registration (a start, a lost lease, a Redis that lost its data):
+        # the shared fleet adopts, or puts back, the nodes whose slots it writes.
+        self.before_register: Callable[[], Awaitable[None]] | None = None
+        jobs: tuple[MemoryObjectSendStream[Job], MemoryObjectReceiveStream[Job]]
+        jobs = anyio.create_memory_object_stream(math.inf)
+        self._jobs, self._pending = jobs
+
+    # ------------------------------------------------------------------ the pool's interface
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queued)
+
+    def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        return [
+            ("the shared state's lease", self._renew_forever),
+            ("the shared state's grants", self._listen_forever),
+            ("the shared state's releases", self._work),
+        ]
+
+    def try_acquire(
+        self, avoid: Node | None = None, model: str | None = None
+    ) -> Reservation | None:
+        return None  # every reservation is Redis's to grant: ``acquire_now``
+
+    async def acquire_now(
+        self, avoid: Node | None = None, model: str | None = None
+    ) -> Reservation | None:
+        reply = await self._acquire(secrets.token_hex(8), False, avoid, model)
+        return reply if isinstance(reply, Reservation) else None
+
+    async def acquire(self, timeout: float, model: str | None = None) -> Reservation:
+        if not self.live_for(model):
+            raise Unavailable(self.no_live(model))
+        resid = secrets.token_hex(8)
+        started = anyio.current_time()
+        # Known before Redis can hand it a slot: the listener may hear of the grant before
+        # this task hears the script's own reply.
+        waiter = self._waiting[resid] = Waiter(model)
+        try:
+            reply = await self._acquire(resid, timeout > 0, None, model)
+            if isinstance(reply, Reservation):
+                return reply
+            if reply == "busy":
+                raise Busy("all decode nodes busy")
+            if reply != "queued":
+                raise StateUnavailable(f"shared state unavailable: {reply} after registering")
+            self._queued.add(resid)
+            try:
+                with anyio.move_on_after(timeout):
+                    await waiter.event.wait()
+                if waiter.node is None:
+                    # Timed out, or told to fail: one script says if a slot came meanwhile.
+                    waiter.node = await self._leave(resid, model) or waiter.node
+            except BaseException:
+                node = waiter.node or await self._leave(resid, model)
+                if node is not None:
+                    self._send(("release", resid, node.url))
+                raise
+        finally:
+            del self._waiting[resid]
+            self._queued.discard(resid)
+        waited = anyio.current_time() - started
+        if waiter.error is not None:
+            if waiter.node is not None:
+                self._send(("release", resid, waiter.node.url))
+            raise fresh(waiter.error)
+        if waiter.node is None:
+            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+        return self._hold(resid, waiter.node, waited)
+
+    def wake(self) -> None:
+        self._send(("renew", "", ""))
+
+    def fail_waiters(self, error: RouterError) -> None:
+        for waiter in self._waiting.values():
+            if waiter.node is None and waiter.error is None:
+                waiter.error = error
+                waiter.event.set()
+
+    def fail_stranded(self) -> None:
+        for waiter in self._waiting.values():
+            if waiter.node is None and waiter.error is None and not self.live_for(waiter.model):
+                waiter.error = Unavailable(self.no_live(waiter.model))
+                waiter.event.set()
+
+    def _give_back(self, reservation: Reservation) -> None:
+        """Synchronous, for a ``finally`` in a cancelled scope: Redis hears of it from the
+        release worker."""
+        self.released += 1
+        reservation.node.in_use -= 1
+        if isinstance(reservation, SharedReservation):
+            self._held.pop(reservation.id, None)
+            self._send(("release", reservation.id, reservation.node.url))
+
+    # ------------------------------------------------------------------ Redis
+
+    async def _acquire(
+        self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
+    ) -> Any:
+        accept = self.accept(model)
+        nodes = [
+            node
+            for node in self.nodes
+            if node.state in accept and node is not avoid and node.serves(model)
+        ]
+        args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
+        args += self._takes(nodes)
+        started = anyio.current_time()
+        # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
+        with anyio.CancelScope(shield=True):
+            reply = await self._run(_ACQUIRE, args)
+            if reply[0] == b"unknown":  # Redis lost this router's registration
+                await self._renew()
+                reply = await self._run(_ACQUIRE, args)
+        if reply[0] == b"ok":
+            node = self._by_url(reply[1].decode())
+            if node is None:  # removed here since
+                self._send(("release", resid, reply[1].decode()))
+                return "busy"
+            return self._hold(resid, node, anyio.current_time() - started)
+        return reply[0].decode()
+
+    async def _leave(self, resid: str, model: str | None) -> Node | None:
+        """Out of the queue; the node of the slot that reached the waiter meanwhile, if one did."""
+        with anyio.CancelScope(shield=True):
+            try:
+                reply = await self._run(_ABANDON, [self.router_id, resid, _key(model)])
+            except Unavailable:
+                # The entry stays; a slot handed to it comes back through the listener.
+                return None
+        if reply[0] != b"granted":
+            return None
+        node = self._by_url(reply[1].decode())
+        if node is None:
+            self._send(("release", resid, reply[1].decode()))
+        return node
+
+    def _hold(self, resid: str, node: Node, waited: float) -> SharedReservation:
+        node.in_use += 1
+        self.acquired += 1
+        reservation = SharedReservation(self, node, waited, resid)
+        self._held[resid] = reservation
+        return reservation
+
+    def _granted(self, resid: str, url: str) -> None:
+        """A slot reached one of this router's waiters."""
+        waiter = self._waiting.get(resid)
+        node = self._by_url(url)
+        if waiter is not None and waiter.node is None and waiter.error is None and node:
+            waiter.node = node
+            waiter.event.set()
+        elif resid not in self._held and (waiter is None or waiter.node is None):
+            self._send(("release", resid, url))
+
+    def _by_url(self, url: str) -> Node | None:
+        return next((node for node in self.nodes if node.url == url), None)
+
+    async def _run(self, script: Script, args: Sequence[str]) -> Any:
+        try:
+            reply = await script.run(self.redis, (), args)
+        except (RedisUnavailable, RedisError) as exc:
+            self.available = False
+            raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        return reply
+
+    async def _register(self) -> None:
+        """Tell Redis what this router holds and who waits, with its lease: after a start,
+        a lost lease, or a Redis that lost its data."""
+        if self.before_register is not None:
+            await self.before_register()
+        held = [item for r in self._held.values() for item in (r.id, r.node.url)]
+        waiting = [  # oldest first: ``_waiting`` is in arrival order
+            item
+            for resid, waiter in self._waiting.items()
+            if resid in self._queued and waiter.node is None
+            for item in (resid, _key(waiter.model))
+        ]
+        args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]
+        await self._run(_REGISTER, args)
+
+    def _lease_and_slots(self) -> list[str]:
+        slots = [item for node in self.nodes for item in (node.url, str(node.slots))]
+        return [self.router_id, str(int(self.lease * 1000)), str(len(self.nodes)), *slots]
+
+    def _send(self, job: Job) -> None:
+        self._jobs.send_nowait(job)
+
+    # ------------------------------------------------------------------ background work
+
+    async def _renew_forever(self) -> None:
+        while True:
+            try:
+                await self._renew()
+                if not self.available:
+                    log.info("shared state available (router %s)", self.router_id)
+                self.available = True
+            except Unavailable as exc:
+                if self.available:
+                    log.error("shared state unavailable: %s", exc)
+                self.available = False
+            await anyio.sleep(self.lease / 3)
+
+    async def _listen_forever(self) -> None:
+        channel = scripts.GRANTS + self.router_id
+        while True:
+            try:
+                async with self.redis.subscribe(channel) as subscription:
+                    # Grants published while nobody listened: ask about every waiter.
+                    for resid in list(self._waiting):
+                        url = await self.redis.call(
+                            "HGET", scripts.RESERVATIONS + self.router_id, resid
+                        )
+                        if url is not None:
+                            self._granted(resid, url.decode())
+                    while True:
+                        _, data = await subscription.next_message()
+                        resid, url = data.decode().split(" ", 1)
+                        self._granted(resid, url)
+            except (RedisUnavailable, RedisError):
+                await anyio.sleep(RETRY)
+
+    async def _work(self) -> None:
+        """Send the releases (and renewals) queued since the last round trip, all at once:
+        one at a time, releases fell behind acquisitions under load, and Redis counted
+        slots long given back (729 counted with 64 requests in flight)."""
+        async for job in self._pending:
+            batch = [job]
+            while len(batch) < RELEASE_BATCH:
+                try:
+                    batch.append(self._pending.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            releases = [(resid, url) for kind, resid, url in batch if kind == "release"]
+            urls = {url for _, url in releases}
+            renew = any(kind == "renew" for kind, _, _ in batch)
+            while True:
+                try:
+                    if releases:
+                        # The released slots' nodes as they are now: whose waiters they take.
+                        nodes = [node for node in self.nodes if node.url in urls]
+                        args = [self.router_id, *self._takes(nodes), *(r for r, _ in releases)]
+                        await self._run(_RELEASE, args)
+                    if renew:
+                        await self._renew()
+                    break
+                except Unavailable:
+                    await anyio.sleep(RETRY)
+
+    def _takes(self, nodes: Sequence[Node]) -> list[str]:
+        """Those of ``nodes`` that take waiters now and which each takes, for the scripts (a
+        list of nodes: ``shared_scripts``). As in-process (``DecodePool._first_for``), a
+        node takes a waiter for a model it serves while its state is one that model
+        accepts; a slot freed on a node left out goes back to it."""
+        out, count = [], 0
+        for node in nodes:
+            plus, models = self._models_taken(node)
+            if models or not plus:
+                out += [node.url, "+" if plus else "-", str(len(models)), *models]
+                count += 1
+        return [str(count), *out]
+
+    def _models_taken(self, node: Node) -> tuple[bool, list[str]]:
+        """(True, the models whose waiters ``node`` takes) or (False, the models whose
+        waiters it does not take: it takes every other); "" for the waiters that asked for
+        no model."""
+        if node.state in self.usable:  # in every model's ``accept``: its models, all of them
+            if node.models is None:
+                return False, []
+            return True, ["", *sorted(node.models)]
+        # Usable only for the models that no serving node serves: ``accept`` says which.
+        known = {model for other in self.nodes for model in other.models or ()}
+        served = sorted(known if node.models is None else node.models)
+        taken = [model for model in served if node.state in self.accept(model)]
+        if node.models is not None or node.state not in usable(
+            [other for other in self.nodes if other.models is None]
+        ):
+            return True, taken
+        # Any model no node names: the nodes that serve it are those whose models are unknown.
+        return False, ["", *sorted(set(served) - set(taken))]
+
+    async def _renew(self) -> None:
+        args = [*self._lease_and_slots(), *self._takes(self.nodes)]
+        known, reclaimed = await self._run(_RENEW, args)
+        if not known:
+            await self._register()
+        if reclaimed:
+            log.warning("gave back %d slots of routers whose lease ended", reclaimed)
+
+
+Job = tuple[str, str, str]  # ("release", reservation id, url) | ("renew", "", "")
+
+
+def _key(model: str | None) -> str:
+    """The model as the scripts name it: "" for none asked (a model id is never empty)."""
+    return "" if model is None else model

@@ -1,0 +1,389 @@
+"""A Redis client on anyio, so that it runs under asyncio and trio: commands, Lua scripts
+(``Script``) and pub/sub. The protocol is ``shared/resp.py``'s; this module only moves its bytes.
+
+Commands go one at a time per connection (no pipelining across callers): a caller takes
+an idle connection, or opens one (at most ``max_connections`` in use and idle together:
+callers beyond wait for one), writes its command in one ``send``, reads its reply and puts
+the connection back. A new connection sends ``AUTH`` and ``SELECT`` first, in one write.
+
+Failures:
+
+* The server's error reply raises ``RedisError`` with the server's message.
+* Every I/O failure raises ``RedisUnavailable``, whose message names host:port and never
+  the password: no connection, a connection lost, bytes that are not RESP, or no reply
+  within ``timeout`` seconds (which bounds the whole call: waiting for a connection,
+  connecting, writing, reading). The connection is closed, never reused.
+* A command that failed with ``RedisUnavailable`` may or may not have run: what was lost
+  may be its reply. Nothing is sent twice here (a slot-taking script run twice is worse
+  than one failed call); the caller decides. The one exception is safe: a pooled
+  connection the server closed while it was idle (a Redis restart) is noticed before use
+  and replaced, as nothing was sent on it.
+
+Cancellation, trio-style: ``call`` is a checkpoint. A call cancelled at any point raises
+the cancellation unchanged (never ``RedisUnavailable``) and closes the connection it held,
+at once and without waiting: its command may have been written, and its reply would then
+arrive later and be read as the answer to the next command on that connection. So a
+cancelled call takes no connection back to the pool, its command may or may not have run,
+and the client stays usable. ``Subscription.next_message`` may be cancelled and called
+again: the bytes it had read wait in the parser.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import select
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+import anyio
+from anyio.abc import ByteStream, SocketAttribute
+
+from pd_router.shared import resp
+
+DEFAULT_PORT = 6379
+MAX_CONNECTIONS = 16
+# Seconds between tries of a command that must reach Redis while Redis is away: its
+# users keep what they must send and try again, never give up.
+RETRY = 0.5
+
+Arg = bytes | str | int | float
+
+_READABLE = select.POLLIN
+# Elsewhere than on Linux, a close through TLS is seen when the next call reads it.
+_CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+_IO_ERRORS = (OSError, anyio.BrokenResourceError, anyio.EndOfStream, resp.ProtocolError)
+
+
+class RedisUnavailable(Exception):
+    """No answer from Redis: could not connect, the connection was lost, or timed out."""
+
+
+class RedisError(Exception):
+    """Redis answered with an error (a failed Lua script, a wrong type, a refused AUTH)."""
+
+    @property
+    def code(self) -> str:
+        """The error's first word: ``"NOSCRIPT"``, ``"WRONGTYPE"``, ``"ERR"``..."""
+        return str(self).split(" ", 1)[0]
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str
+    port: int = DEFAULT_PORT
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with the password as ``***``: for logs and messages."""
+        scheme = "rediss" if self.tls else "redis"
+        user = ""
+        if self.password is not None:
+            user = f"{quote(self.username or '', safe='')}:***@"
+        return f"{scheme}://{user}{self.address}/{self.db}"
+
+
+def parse_url(url: str) -> Settings:
+    """``redis://[[user]:password@]host[:port][/db]``, or ``rediss://`` for TLS.
+
+    Anything else is a ``ValueError`` that says what is wrong and never shows the password.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss"):
+        shown = f"{scheme}://" if scheme and "://" in url else "no scheme"
+        raise ValueError(
+            f"a Redis URL starts with redis:// or rediss:// ({shown} given): "
+            "redis://[user:password@]host[:port][/db]"
+        )
+    if parts.query or parts.fragment:
+        # Not shown: some clients take the password from a query parameter.
+        raise ValueError("a Redis URL takes no ?query or #fragment")
+    host_port = parts.netloc.rpartition("@")[2]
+    if not parts.hostname:
+        raise ValueError(f"a Redis URL needs a host ({host_port!r} given)")
+    try:
+        port = DEFAULT_PORT if parts.port is None else parts.port
+    except ValueError:
+        port = 0
+    if not port:
+        raise ValueError(f"a Redis port is a number from 1 to 65535 ({host_port!r})")
+    path = parts.path.removeprefix("/")
+    if path and not (path.isascii() and path.isdigit()):
+        raise ValueError(f"a Redis URL's path is a database number (/0, /1...), not /{path}")
+    password = unquote(parts.password) if parts.password else None
+    username = unquote(parts.username) if parts.username else None
+    if username is not None and password is None:
+        raise ValueError("a username in a Redis URL needs a password: user:password@host")
+    return Settings(
+        host=parts.hostname,
+        port=port,
+        db=int(path or 0),
+        username=username,
+        password=password,
+        tls=scheme == "rediss",
+    )
+
+
+class _Connection:
+    __slots__ = ("stream", "parser", "_poll", "_tls")
+
+    def __init__(self, stream: ByteStream, tls: bool) -> None:
+        self.stream = stream
+        self.parser = resp.Parser()
+        # B610 is Django's QuerySet.extra(); this is anyio's typed attribute lookup.
+        sock = stream.extra(SocketAttribute.raw_socket)  # nosec B610
+        self._poll = select.poll()
+        self._poll.register(sock, _READABLE | _CLOSED)
+        self._tls = tls
+
+    async def request(self, command: bytes) -> resp.Reply:
+        await self.stream.send(command)
+        return await self.reply()
+
+    async def reply(self) -> resp.Reply:
+        parser = self.parser
+        while True:
+            reply = parser.next_reply()
+            if reply is not resp.NEED_DATA:
+                return reply
+            parser.feed(await self.stream.receive())
+
+    def stale(self) -> bool:
+        """The server closed this idle connection, or sent it bytes nobody asked for.
+
+        Neither backend reads a socket while nobody receives, so a close waits there to be
+        seen. Through TLS, bytes alone may be the server's session tickets: only the
+        close itself (POLLRDHUP, Linux) says the connection is gone.
+        """
+        events = self._poll.poll(0)
+        return bool(events) and (not self._tls or bool(events[0][1] & _CLOSED))
+
+    async def close(self) -> None:
+        # Shielded, and forceful (no TLS goodbye): this runs while a call is being
+        # cancelled, and must neither wait nor be interrupted.
+        with anyio.CancelScope(shield=True):
+            await anyio.aclose_forcefully(self.stream)
+
+
+class Redis:
+    """A small pool of connections to one Redis server, opened as calls need them."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        timeout: float,
+        max_connections: int = MAX_CONNECTIONS,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.settings = settings
+        self.timeout = timeout
+        if settings.tls and ssl_context is None:
+            # Made once: anyio would load the CA store again for every connection.
+            ssl_context = ssl.create_default_context()
+        self._ssl_context = ssl_context if settings.tls else None
+        self._idle: list[_Connection] = []  # most recently used last
+        self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
+        self._closed = False
+        self._hello: list[tuple[str, bytes]] = []
+        if settings.password is not None:
+            auth = [settings.username] if settings.username is not None else []
+            self._hello.append(("AUTH", resp.encode("AUTH", *auth, settings.password)))
+        if settings.db:
+            self._hello.append(("SELECT", resp.encode("SELECT", settings.db)))
+
+    async def __aenter__(self) -> Redis:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def call(self, *args: Arg) -> Any:
+        """Send one command (``call("GET", key)``) and return its reply (``shared/resp.py``'s
+        types); an error reply raises ``RedisError``, an I/O failure ``RedisUnavailable``."""
+        command = resp.encode(*args)
+        with anyio.move_on_after(self.timeout):
+            reply = await self._call(command)
+            if isinstance(reply, resp.ReplyError):
+                raise RedisError(reply.message)
+            return reply
+        raise self._unavailable(f"no reply within {self.timeout:g} s")
+
+    @asynccontextmanager
+    async def subscribe(self, *channels: str | bytes) -> AsyncIterator[Subscription]:
+        """A connection of its own, subscribed to ``channels`` until the block ends."""
+        if not channels:
+            raise ValueError("subscribe to at least one channel")
+        with anyio.move_on_after(self.timeout) as scope:
+            conn = await self._connect()
+            try:
+                await conn.stream.send(resp.encode("SUBSCRIBE", *channels))
+                for _ in channels:
+                    confirmation = await conn.reply()
+                    if isinstance(confirmation, resp.ReplyError):
+                        raise RedisError(confirmation.message)
+            except BaseException as exc:
+                await conn.close()
+                if isinstance(exc, _IO_ERRORS):
+                    raise self._unavailable("subscribe failed", exc) from None
+                raise
+        if scope.cancelled_caught:
+            raise self._unavailable(f"no answer to SUBSCRIBE within {self.timeout:g} s")
+        try:
+            yield Subscription(self.settings.address, conn)
+        finally:
+            await conn.close()
+
+    async def aclose(self) -> None:
+        """Close the idle connections; calls in progress close theirs when they end."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.close()
+
+    async def _call(self, command: bytes) -> resp.Reply:
+        try:
+            self._slots.acquire_nowait()  # no checkpoint: the send and receive are ones
+        except anyio.WouldBlock:
+            await self._slots.acquire()
+        try:
+            if self._closed:
+                raise self._unavailable("the client is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.stale():
+                    break
+                await conn.close()
+            else:
+                conn = await self._connect()
+            try:
+                reply = await conn.request(command)
+            except BaseException as exc:
+                await conn.close()
+                if isinstance(exc, _IO_ERRORS):
+                    raise self._unavailable("connection lost", exc) from None
+                raise
+            if conn.parser.pending or self._closed:
+                await conn.close()  # bytes beyond the reply: the stream is out of step
+            else:
+                self._idle.append(conn)
+            return reply
+        finally:
+            self._slots.release()
+
+    async def _connect(self) -> _Connection:
+        settings = self.settings
+        try:
+            stream: ByteStream
+            if self._ssl_context is None:
+                stream = await anyio.connect_tcp(settings.host, settings.port)
+            else:
+                stream = await anyio.connect_tcp(
+                    settings.host,
+                    settings.port,
+                    ssl_context=self._ssl_context,
+                    # Redis does not wait for TLS close_notify, nor need we.
+                    tls_standard_compatible=False,
+                )
+        except _IO_ERRORS as exc:
+            raise self._unavailable("cannot connect", exc) from None
+        conn = _Connection(stream, settings.tls)
+        if not self._hello:
+            return conn
+        try:
+            await stream.send(b"".join(command for _, command in self._hello))
+            for name, _ in self._hello:
+                reply = await conn.reply()
+                if isinstance(reply, resp.ReplyError):
+                    # The server's message first, so that ``code`` is the server's too.
+                    where = f"{name} on connecting to redis {settings.address}"
+                    raise RedisError(f"{reply.message} ({where})")
+        except BaseException as exc:
+            await conn.close()
+            if isinstance(exc, _IO_ERRORS):
+                raise self._unavailable("connection lost while opening", exc) from None
+            raise
+        return conn
+
+    def _unavailable(self, what: str, exc: BaseException | None = None) -> RedisUnavailable:
+        return _unavailable(self.settings.address, what, exc)
+
+
+class Subscription:
+    """Messages published to the channels subscribed to, in order."""
+
+    def __init__(self, address: str, conn: _Connection) -> None:
+        self._address = address
+        self._conn = conn
+
+    async def next_message(self) -> tuple[bytes, bytes]:
+        """The next ``(channel, data)``, however long it takes (bound the wait yourself);
+        ``RedisUnavailable`` once the connection is lost: subscribe again."""
+        try:
+            reply = await self._conn.reply()
+        except _IO_ERRORS as exc:
+            raise _unavailable(self._address, "subscription lost", exc) from None
+        match reply:
+            case [b"message", bytes() as channel, bytes() as data]:
+                return channel, data
+            case resp.ReplyError(message=message):
+                raise RedisError(message)
+        raise _unavailable(self._address, f"not a pub/sub message: {reply!r:.80}")
+
+
+class Script:
+    """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when Redis lacks it."""
+
+    __slots__ = ("source", "sha")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+    async def run(self, redis: Redis, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        try:
+            return await redis.call("EVALSHA", self.sha, len(keys), *keys, *args)
+        except RedisError as error:
+            # Redis's script cache is empty after a restart, a failover or SCRIPT FLUSH.
+            # NOSCRIPT means nothing ran, so sending the script whole is safe.
+            if error.code != "NOSCRIPT":
+                raise
+        return await redis.call("EVAL", self.source, len(keys), *keys, *args)
+
+
+def _unavailable(address: str, what: str, exc: BaseException | None = None) -> RedisUnavailable:
+    detail = f": {_describe(exc)}" if exc is not None else ""
+    return RedisUnavailable(f"redis {address}: {what}{detail}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, anyio.EndOfStream):
+        return "the server closed the connection"
+    # anyio wraps the OS's reason: ConnectionFailed and BrokenResourceError carry it as
+    # their cause (a group of them when several addresses were tried).
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    if cause is not None:
+        exc = cause
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,398 @@
+"""The shared decode pool's decisions, as Lua scripts that Redis runs atomically.
+
+Every router process sharing a state URL runs these; Redis runs one script at a time, so a
+script is the critical section the in-process pool gets from its event loop. No script
+waits: a waiter is an entry in a queue, woken by a message from the script that handed it
+a slot.
+
+Keys (one hash tag, ``{pdr}``, so that a Redis Cluster keeps them on one shard):
+
+* ``{pdr}:slots``  hash: node URL -> slots (written by every router from its own flags)
+* ``{pdr}:used``   hash: node URL -> slots reserved, all routers together
+* ``{pdr}:res:R``  hash: reservation id -> node URL, the reservations router R holds
+* ``{pdr}:routers`` hash: router id -> its lease's end (ms, Redis's clock)
+* ``{pdr}:queue:M`` sorted set: ``"R reservation-id"`` by arrival (``{pdr}:seq``, one
+  count for all models), the waiters for model M; M is "" for a waiter that asked for no
+  model (a model id is never empty: ``edge/validation.py``)
+* ``{pdr}:queues`` set: the models M whose queue may have waiters (dropped when found empty)
+* ``{pdr}:rr``     counter: where the next pick starts among equally free nodes
+* channel ``{pdr}:grant:R``: ``"reservation-id url"``, a slot handed to a waiter of R
+
+Which waiters a slot on a node may go to is the router's to say (it knows the nodes'
+models and states), in the scripts' arguments, as "a list of nodes": how many, then per
+node its URL, ``+`` (it takes the waiters of the models listed) or ``-`` (of every model but
+those listed), how many models are listed, and the models ("" for the waiters that asked
+for none). A node not in the list takes none. Each model id is an argument of its own,
+never joined to others nor split, so that any character may be in one.
+
+One queue per model, as in-process: a slot freed on a node goes to the oldest of the heads
+of the queues of the models it takes, a few reads however long a burst on another model
+is (one queue for all would be scanned past that burst at every release).
+
+A reservation is released exactly once: its id leaves ``res:R`` in the script that gives
+the slot back, and a second release of the same id finds nothing. A router whose lease
+ended (killed, partitioned) has its reservations given back and its queue entries dropped
+by whichever router renews next.
+"""
+
+from __future__ import annotations
+
+_COMMON = """
+local P = '{pdr}:'
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function free(url)
+  return tonumber(redis.call('HGET', P .. 'slots', url) or '0')
+    - tonumber(redis.call('HGET', P .. 'used', url) or '0')
+end
+local function split(member)
+  local at = string.find(member, ' ', 1, true)
+  return string.sub(member, 1, at - 1), string.sub(member, at + 1)
+end
+-- Nodes and the waiters each takes, from ARGV[at] (the module docstring): the urls in
+-- order, url -> {plus = true for a "+" node, models = {model -> true}, listed = {models}},
+-- and where the arguments after them start.
+local function read_nodes(at)
+  local urls, takes = {}, {}
+  for _ = 1, tonumber(ARGV[at]) do
+    local n, models, listed = tonumber(ARGV[at + 3]), {}, {}
+    for i = at + 4, at + 3 + n do
+      models[ARGV[i]] = true
+      listed[#listed + 1] = ARGV[i]
+    end
+    urls[#urls + 1] = ARGV[at + 1]
+    takes[ARGV[at + 1]] = {plus = ARGV[at + 2] == '+', models = models, listed = listed}
+    at = at + 3 + n
+  end
+  return urls, takes, at + 1
+end
+local function serves(spec, model)
+  return spec ~= nil and (spec.models[model] == true) == spec.plus
+end
+local function enqueue(model, member)
+  redis.call('ZADD', P .. 'queue:' .. model, redis.call('INCR', P .. 'seq'), member)
+  redis.call('SADD', P .. 'queues', model)
+end
+-- True when the member was in model's queue.
+local function dequeue(model, member)
+  if redis.call('ZREM', P .. 'queue:' .. model, member) == 0 then return false end
+  if redis.call('EXISTS', P .. 'queue:' .. model) == 0 then
+    redis.call('SREM', P .. 'queues', model)
+  end
+  return true
+end
+-- The oldest waiter of a live router for model: its member and arrival, or nil. Waiters of
+-- routers whose lease ended are dropped on the way.
+local function head(model)
+  local key = P .. 'queue:' .. model
+  while true do
+    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    if #first == 0 then
+      redis.call('SREM', P .. 'queues', model)
+      return nil
+    end
+    if redis.call('HEXISTS', P .. 'routers', (split(first[1]))) == 1 then
+      return first[1], tonumber(first[2])
+    end
+    redis.call('ZREM', key, first[1])
+  end
+end
+-- The oldest waiter among the models spec takes (all but those listed: the queued ones):
+-- its model and member, or nil.
+local function first_for(spec)
+  if spec == nil then return nil end
+  local models = spec.listed
+  if not spec.plus then models = redis.call('SMEMBERS', P .. 'queues') end
+  local model, member, seq = nil, nil, nil
+  for _, m in ipairs(models) do
+    if serves(spec, m) then
+      local h, s = head(m)
+      if h and (seq == nil or s < seq) then model, member, seq = m, h, s end
+    end
+  end
+  return model, member
+end
+local function grant(model, member, url)
+  dequeue(model, member)
+  local router, resid = split(member)
+  redis.call('HSET', P .. 'res:' .. router, resid, url)
+  redis.call('PUBLISH', P .. 'grant:' .. router, resid .. ' ' .. url)
+end
+-- The oldest waiter (of a live router) that url takes (spec; nil: url takes no new
+-- requests) gets the slot on url; without one the slot goes back to url.
+local function hand_over(url, spec)
+  local model, member = first_for(spec)
+  if member then
+    grant(model, member, url)
+  else
+    redis.call('HINCRBY', P .. 'used', url, -1)
+  end
+end
+-- The freest of the given urls (ties in turn), or nil when none has a free slot.
+local function pick(urls)
+  local n = #urls
+  if n == 0 then return nil end
+  local start = redis.call('INCR', P .. 'rr')
+  local best, most = nil, 0
+  for i = 0, n - 1 do
+    local url = urls[1 + (start + i) % n]
+    local f = free(url)
+    if f > most then best, most = url, f end
+  end
+  return best
+end
+"""
+
+# ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
+# the nodes the request may land on (a list of nodes: see the module docstring)
+# -> {"ok", url} | {"queued"} | {"busy"} | {"unknown"} (the router must register first)
+# As in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
+# never overtakes a waiter); a burst queued on another model's nodes is no obstacle.
+ACQUIRE = _COMMON + """
+local router, resid, may_queue, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown'} end
+local urls, takes = read_nodes(5)
+local url = pick(urls)
+if url and first_for(takes[url]) == nil then
+  redis.call('HINCRBY', P .. 'used', url, 1)
+  redis.call('HSET', P .. 'res:' .. router, resid, url)
+  return {'ok', url}
+end
+if may_queue == '1' then
+  enqueue(model, router .. ' ' .. resid)
+  return {'queued'}
+end
+return {'busy'}
+"""
+
+# ARGV: router, the nodes that take new requests (a list of nodes), the reservation ids
+# -> how many were held (a release of an id no longer held does nothing)
+RELEASE = _COMMON + """
+local _, takes, at = read_nodes(2)
+local released = 0
+for i = at, #ARGV do
+  local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[i])
+  if url then
+    redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[i])
+    hand_over(url, takes[url])
+    released = released + 1
+  end
+end
+return released
+"""
+
+# ARGV: router, reservation id, its model -> {"left"} | {"granted", url} | {"gone"}
+ABANDON = _COMMON + """
+if dequeue(ARGV[3], ARGV[1] .. ' ' .. ARGV[2]) then return {'left'} end
+local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
+if url then return {'granted', url} end
+return {'gone'}
+"""
+
+# ARGV: router, lease ms, n, n pairs of (url, slots), the nodes that take new requests (a
+# list of nodes)
+# -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed}
+# Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
+# hands free slots to waiters (a node readmitted, a release that could not reach a waiter):
+# the oldest waiter first, each to the freest node that takes it, until no waiter left can
+# be given a slot.
+RENEW = _COMMON + """
+local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0} end
+local now = now_ms()
+redis.call('HSET', P .. 'routers', router, now + lease)
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+local urls, takes = read_nodes(4 + 2 * n)
+local reclaimed = 0
+local routers = redis.call('HGETALL', P .. 'routers')
+for i = 1, #routers, 2 do
+  local other = routers[i]
+  if tonumber(routers[i + 1]) < now then
+    redis.call('HDEL', P .. 'routers', other)
+    local held = redis.call('HGETALL', P .. 'res:' .. other)
+    redis.call('DEL', P .. 'res:' .. other)
+    for j = 1, #held, 2 do
+      hand_over(held[j + 1], takes[held[j + 1]])
+      reclaimed = reclaimed + 1
+    end
+    for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+      for _, member in ipairs(redis.call('ZRANGE', P .. 'queue:' .. model, 0, -1)) do
+        if split(member) == other then dequeue(model, member) end
+      end
+    end
+  end
+end
+-- A model none of whose nodes has a free slot is passed over from then on.
+local full = {}
+while true do
+  local model, member, seq = nil, nil, nil
+  for _, m in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    if not full[m] then
+      local h, s = head(m)
+      if h and (seq == nil or s < seq) then model, member, seq = m, h, s end
+    end
+  end
+  if not model then break end
+  local candidates = {}
+  for _, url in ipairs(urls) do
+    if serves(takes[url], model) then candidates[#candidates + 1] = url end
+  end
+  local url = pick(candidates)
+  if url then
+    redis.call('HINCRBY', P .. 'used', url, 1)
+    grant(model, member, url)
+  else
+    full[model] = true
+  end
+end
+return {1, reclaimed}
+"""
+
+# ARGV: router, lease ms, n, n pairs of (url, slots), m, m pairs of (reservation id, url),
+# then pairs of (waiting reservation id, its model), oldest first
+# A router's start, or its return after its registration was lost (Redis restarted empty,
+# or its lease ended): its lease, its nodes' slots, what it holds (each counted once,
+# however often sent) and who waits, all at once, so that no other router sees it
+# registered without its reservations.
+REGISTER = _COMMON + """
+local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('HSET', P .. 'routers', router, now_ms() + lease)
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+local at = 4 + 2 * n
+local m = tonumber(ARGV[at])
+for i = 0, m - 1 do
+  local resid, url = ARGV[at + 1 + 2 * i], ARGV[at + 2 + 2 * i]
+  if redis.call('HSETNX', P .. 'res:' .. router, resid, url) == 1 then
+    redis.call('HINCRBY', P .. 'used', url, 1)
+  end
+end
+for i = at + 1 + 2 * m, #ARGV, 2 do
+  local member, model = router .. ' ' .. ARGV[i], ARGV[i + 1]
+  if not redis.call('ZSCORE', P .. 'queue:' .. model, member) then enqueue(model, member) end
+end
+return 1
+"""
+
+RESERVATIONS = "{pdr}:res:"
+GRANTS = "{pdr}:grant:"
+
+# ---------------------------------------------------------------- the fleet (shared/fleet.py)
+#
+# * ``{pdr}:node-ids``  hash: "role url" -> node id, never deleted: a URL keeps its id
+# * ``{pdr}:next-id``   counter: the next id to give (ids are never given twice)
+# * ``{pdr}:nodes``     hash: node id -> JSON {role, url, slots, labels}
+# * ``{pdr}:admin``     hash: node id -> serving | draining | draining gone (DNS stopped
+#   listing it) | removed | removed forced
+# * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
+# * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
+#   lease (rewritten while it lives)
+# * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
+# * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
+
+# ARGV: "set" (an operator's add: the record and "serving" are written, the verdict
+# dropped), "adopt" (a router's configured nodes: written only if new) or "discover" (an
+# address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
+# its record and admin state, an operator's drain included), the router, then
+# per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
+# A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
+NODES = _COMMON + """
+local router, ids, changed = ARGV[2], {}, false
+for i = 3, #ARGV, 5 do
+  local key = ARGV[i] .. ' ' .. ARGV[i + 1]
+  local id = redis.call('HGET', P .. 'node-ids', key)
+  local write = ARGV[1] == 'set'
+  if not id then
+    id = ARGV[i + 4]
+    if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
+      repeat
+        id = tostring(redis.call('INCR', P .. 'next-id') - 1)
+      until redis.call('HEXISTS', P .. 'nodes', id) == 0
+    elseif tonumber(redis.call('GET', P .. 'next-id') or '0') <= tonumber(id) then
+      redis.call('SET', P .. 'next-id', tonumber(id) + 1)
+    end
+    redis.call('HSET', P .. 'node-ids', key, id)
+    write = true
+  elseif ARGV[1] == 'discover' then
+    write = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
+  end
+  if write then
+    redis.call('HSET', P .. 'nodes', id, ARGV[i + 2])
+    redis.call('HSET', P .. 'admin', id, ARGV[i + 3])
+    changed = true
+  end
+  -- An add starts the node afresh: an old verdict on it is the prober's to renew.
+  if write and ARGV[1] ~= 'adopt' then redis.call('HDEL', P .. 'health', id) end
+  ids[#ids + 1] = tonumber(id)
+end
+if changed then redis.call('PUBLISH', P .. 'fleet', router) end
+return ids
+"""
+
+# ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node
+ADMIN = _COMMON + """
+if redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then return 0 end
+redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# ARGV: router, node id, admin state expected, new one -> 1 if it was the expected one
+# (DNS discovery: a drain only of a serving node, undone only if it is discovery's); a node
+# serving again has its verdict dropped (it joins afresh)
+DNS_ADMIN = _COMMON + """
+if redis.call('HGET', P .. 'admin', ARGV[2]) ~= ARGV[3] then return 0 end
+redis.call('HSET', P .. 'admin', ARGV[2], ARGV[4])
+if ARGV[4] == 'serving' then redis.call('HDEL', P .. 'health', ARGV[2]) end
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# ARGV: router, node id, verdict
+VERDICT = _COMMON + """
+redis.call('HSET', P .. 'health', ARGV[2], ARGV[3])
+redis.call('PUBLISH', P .. 'fleet', ARGV[1])
+return 1
+"""
+
+# -> {nodes (id, record...), admin states (id, state...), verdicts (id, verdict...)}
+SNAPSHOT = _COMMON + """
+return {redis.call('HGETALL', P .. 'nodes'), redis.call('HGETALL', P .. 'admin'),
+  redis.call('HGETALL', P .. 'health')}
+"""
+
+# ARGV: router, ms to live, then pairs of (node id, requests in flight)
+PUT_IN_FLIGHT = _COMMON + """
+local key = P .. 'in-flight:' .. ARGV[1]
+redis.call('DEL', key)
+if #ARGV > 2 then redis.call('HSET', key, unpack(ARGV, 3)) end
+redis.call('PEXPIRE', key, ARGV[2])
+return 1
+"""
+
+# -> {router, {node id, requests...}, ...} for every router holding a lease
+IN_FLIGHT = _COMMON + """
+local out = {}
+for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+  out[#out + 1] = router
+  out[#out + 1] = redis.call('HGETALL', P .. 'in-flight:' .. router)
+end
+return out
+"""
+
+# ARGV: router, ms -> 1 if the router is (still, or now) the prober for that long, else 0
+PROBER = _COMMON + """
+local holder = redis.call('GET', P .. 'prober')
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', P .. 'prober', ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# ARGV: router -> the prober lease given up, if the router held it (a router stopping)
+UNPROBE = _COMMON + """
+if redis.call('GET', P .. 'prober') == ARGV[1] then redis.call('DEL', P .. 'prober') end
+return 1
+"""
+
+FLEET_CHANNEL = "{pdr}:fleet"

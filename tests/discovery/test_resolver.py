@@ -1,0 +1,128 @@
+"""Lookups against a real DNS server on 127.0.0.1 (``tests/dns_server.py``), under asyncio
+and trio: A and AAAA, SRV, NXDOMAIN and NODATA (empty), SERVFAIL and a server that is gone
+(failed), and an SRV target that fails; and one round of the discovery loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pd_router.discovery.loop import discover_once
+from pd_router.discovery.resolver import Resolver
+from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
+from pd_router.fleet.membership import LocalMembership
+from pd_router.fleet.nodes import Node, State
+from pd_router.fleet.registry import Fleet
+from tests.dns_server import DnsServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[DnsServer]:
+    with DnsServer() as server:
+        yield server
+
+
+def resolver(server: DnsServer) -> Resolver:
+    return Resolver(("127.0.0.1", server.port), timeout=0.5)
+
+
+async def test_a_and_aaaa_records_become_node_urls(server: DnsServer) -> None:
+    server.set({"decode.test.": {"A": ["10.0.0.1", "10.0.0.2"], "AAAA": ["fd00::1"]}})
+    answer = await resolver(server).lookup(parse_dns_spec("decode.test:8200", "decode"))
+    assert answer == Answer(
+        frozenset({"http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://[fd00::1]:8200"})
+    )
+    assert answer.outcome == "ok"
+
+
+async def test_srv_records_give_the_port_and_their_targets_the_addresses(
+    server: DnsServer,
+) -> None:
+    server.set(
+        {
+            "_http._tcp.decode.test.": {
+                "SRV": [[0, 0, 8200, "d0.decode.test."], [0, 0, 8201, "d1.decode.test."]]
+            },
+            "d0.decode.test.": {"A": ["10.0.0.1"]},
+            "d1.decode.test.": {"AAAA": ["fd00::2"]},
+        }
+    )
+    answer = await resolver(server).lookup(parse_dns_spec("_http._tcp.decode.test", "decode"))
+    assert answer.addresses == {"http://10.0.0.1:8200", "http://[fd00::2]:8201"}
+
+
+async def test_a_name_that_does_not_exist_or_has_no_address_is_empty(server: DnsServer) -> None:
+    server.set({"other.test.": {"TXT": ['"x"']}})
+    for spec in ("missing.test:1", "other.test:1", "_http._tcp.missing.test"):
+        answer = await resolver(server).lookup(parse_dns_spec(spec, "decode"))
+        assert answer == Answer() and answer.outcome == "empty", spec
+
+
+async def test_servfail_fails_the_lookup(server: DnsServer) -> None:
+    server.set({"broken.test.": {"rcode": "SERVFAIL"}})
+    answer = await resolver(server).lookup(parse_dns_spec("broken.test:1", "decode"))
+    assert answer.outcome == "failed" and not answer.addresses
+    assert "SERVFAIL" in str(answer.failure)
+
+
+async def test_a_failing_srv_target_fails_the_whole_lookup(server: DnsServer) -> None:
+    """Half an answer would drain the nodes behind the target that did not answer."""
+    server.set(
+        {
+            "_http._tcp.decode.test.": {
+                "SRV": [[0, 0, 8200, "d0.decode.test."], [0, 0, 8200, "d1.decode.test."]]
+            },
+            "d0.decode.test.": {"A": ["10.0.0.1"]},
+            "d1.decode.test.": {"rcode": "SERVFAIL"},
+        }
+    )
+    answer = await resolver(server).lookup(parse_dns_spec("_http._tcp.decode.test", "decode"))
+    assert answer.outcome == "failed"
+
+
+async def test_no_server_fails_the_lookup_within_its_timeout() -> None:
+    with DnsServer() as gone:
+        port = gone.port
+    answer = await Resolver(("127.0.0.1", port), timeout=0.3).lookup(
+        parse_dns_spec("decode.test:8200", "decode")
+    )
+    assert answer.outcome == "failed" and "no answer within 0.3 s" in str(answer.failure)
+
+
+async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> None:
+    """One round of the discovery loop as the router runs it, on this backend: lookups of
+    every name at once, the plan applied, the new nodes probed (here: answered at once)."""
+    fleet = Fleet([], [])
+    members = LocalMembership(fleet)
+    discovery = Discovery(
+        [
+            Group(parse_dns_spec("prefill.test:8100", "prefill")),
+            Group(parse_dns_spec("decode.test:8200,slots=3", "decode")),
+        ]
+    )
+    probed: list[str] = []
+
+    async def probe(node: Node) -> None:
+        probed.append(node.url)
+        fleet.probed(node)
+
+    server.set(
+        {"prefill.test.": {"A": ["10.0.0.1"]}, "decode.test.": {"A": ["10.0.1.1", "10.0.1.2"]}}
+    )
+    await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+    assert sorted(probed) == [
+        "http://10.0.0.1:8100",
+        "http://10.0.1.1:8200",
+        "http://10.0.1.2:8200",
+    ]
+    assert [(n.url, n.slots, n.state) for n in fleet.pool.nodes] == [
+        ("http://10.0.1.1:8200", 3, State.SERVING),
+        ("http://10.0.1.2:8200", 3, State.SERVING),
+    ]
+    server.set({"prefill.test.": {"rcode": "SERVFAIL"}, "decode.test.": {"A": ["10.0.1.2"]}})
+    await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+    assert [n.url for n in fleet.nodes] == ["http://10.0.0.1:8100", "http://10.0.1.2:8200"]
+    assert discovery.groups[0].lookups == {"ok": 1, "empty": 0, "failed": 1}

@@ -1,0 +1,293 @@
+"""Slow is not dead, end to end: a real router (its CLI) in front of simulated engines whose
+``/health`` stalls, whose streams stall while ``/health`` says 200, whose answers outlast
+``--read-timeout``; clients that stall the router's own loop; bad admin input.
+
+Every case checks what a client sees, what the other clients see (nothing), and the
+node's state as the admin API shows it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from pd_router.sim.fleet import EngineProcess, SimFleet
+from tests.fleet.test_fleet_e2e import Stream, admin, echo, node_states
+from tests.fleet.test_fleet_e2e import router_for as fleet_router
+from tests.helpers import RouterProcess, wait_for
+
+# Probes every 0.2 s, a probe slower than 0.3 s is a (soft) failure, 3 in a row make a node
+# unhealthy, 2 good ones readmit it.
+PROBES = ("--health-interval", "0.2", "--health-timeout", "0.3", "--unhealthy-after", "3")
+
+
+def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
+    # The fleet tests' router (admin token, fast probes), with these probes: later flags win.
+    return fleet_router(fleet, "--decode-slots", "8", *PROBES, *args)
+
+
+def node_ids(router: RouterProcess) -> dict[str, int]:
+    return {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
+
+
+def streaming(router: RouterProcess, tag: str, count: int, tokens: int) -> list[Stream]:
+    """``count`` streams of ``tokens`` tokens, started, each with its first event in; the
+    prompts are ``f"{tag} {i} on"``, the request ids ``f"{tag}{i}"``."""
+    streams = [Stream(router, f"{tag} {i} on", tokens, f"{tag}{i}") for i in range(count)]
+    for stream in streams:
+        stream.start()
+    wait_for(lambda: all(s.events for s in streams), what=f"{count} {tag} streams flowing")
+    return streams
+
+
+def bound_to(router: RouterProcess, url: str) -> set[str]:
+    """The ids of the requests bound to the node at ``url``, as the admin API shows them."""
+    nodes = admin(router, "GET", "/nodes").json()["nodes"]
+    return set(next(n for n in nodes if n["url"] == url)["bound_requests"])
+
+
+def complete(router: RouterProcess, prompt: str, tokens: int = 2) -> httpx.Response:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": tokens}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+
+
+def outcomes(router: RouterProcess) -> dict[str, float]:
+    prefix = "pd_router_requests_total{endpoint=completions,outcome="
+    metrics = router.metrics()
+    return {k[len(prefix) : -1]: v for k, v in metrics.items() if k.startswith(prefix) and v}
+
+
+@pytest.fixture
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=2, decode_args=["--slots", "64", "--itl", "0.05"]) as fleet:
+        yield fleet
+
+
+def test_a_slow_health_makes_a_node_unhealthy_and_its_streams_finish(fleet: SimFleet) -> None:
+    slow, other = fleet.decode
+    with router_for(fleet) as router:
+        ids = node_ids(router)
+        # 120 tokens at 50 ms: ~6 s each, spread over both nodes.
+        streams = streaming(router, "flow", 6, 120)
+        on_slow = slow.stats()["requests"]
+        assert on_slow >= 1
+        slow.configure(health_delay=2.0)  # 2 s > 0.3 s timeout x 3 probes
+        wait_for(lambda: node_states(router)[ids[slow.url]] == "unhealthy", what="unhealthy")
+        view = admin(router, "GET", "/nodes").json()
+        victim = next(n for n in view["nodes"] if n["url"] == slow.url)
+        assert victim["reason"] == "probe timeout" and victim["bound_requests"]
+        for i in range(6):
+            assert complete(router, f"new {i}").status_code == 200
+        assert slow.stats()["requests"] == on_slow, "no new request went to the unhealthy node"
+        for stream in streams:
+            stream.join(60)
+            assert stream.completed(), (stream.rid, stream.events[-2:])
+            assert stream.text == echo(stream.prompt, 120)
+        slow.configure(health_delay=0)
+        wait_for(lambda: node_states(router)[ids[slow.url]] == "serving", what="readmitted")
+        assert outcomes(router) == {"ok": 12}
+        assert node_states(router)[ids[other.url]] == "serving"
+        router.assert_idle()
+
+
+def test_a_hung_engine_ends_its_stalled_streams_once_and_is_readmitted(fleet: SimFleet) -> None:
+    hung, other = fleet.decode
+    with router_for(fleet, "--stall-timeout", "2") as router:
+        ids = node_ids(router)
+        streams = streaming(router, "stall", 6, 200)
+        wait_for(lambda: all(len(s.events) > 2 for s in streams), what="a few events each")
+        on_hung = bound_to(router, hung.url)
+        assert on_hung and len(on_hung) < 6
+        hung.configure(stall=True)  # no more tokens; /health still answers 200 at once
+        for stream in streams:
+            if stream.rid in on_hung:
+                stream.join(15)
+                assert stream.status == 200 and [e["code"] for e in stream.errors] == ["stalled"]
+                assert stream.events[-1] == "data: [DONE]" and stream.errors[0]["message"]
+        wait_for(lambda: node_states(router)[ids[hung.url]] == "unhealthy", what="unhealthy")
+        assert admin(router, "GET", "/nodes").json()["nodes"][ids[hung.url]]["reason"] == "stalled"
+        before = hung.stats()["requests"]
+        for i in range(4):
+            assert complete(router, f"elsewhere {i}").status_code == 200
+        assert hung.stats()["requests"] == before, "new requests went elsewhere"
+        for stream in streams:
+            if stream.rid not in on_hung:
+                stream.join(60)
+                assert stream.completed() and stream.text == echo(stream.prompt, 200)
+        wait_for(lambda: hung.stats()["active"] == 0, what="the engine saw the aborts")
+        hung.configure(stall=False)
+        # Held out for --stall-timeout, then readmitted by its good probes.
+        wait_for(lambda: node_states(router)[ids[hung.url]] == "serving", what="readmitted")
+        for i in range(4):
+            assert complete(router, f"back {i}").status_code == 200
+        assert hung.stats()["requests"] > before, "the readmitted node takes traffic"
+        assert outcomes(router) == {"ok": 8 + 6 - len(on_hung), "stalled": len(on_hung)}
+        router.assert_idle()
+
+
+def test_an_answer_longer_than_the_read_timeout_is_a_504_not_a_verdict(fleet: SimFleet) -> None:
+    with router_for(fleet, "--read-timeout", "1.5") as router:
+        (stream,) = streaming(router, "flowing", 1, 120)  # 50 ms apart: never silent
+        results: list[httpx.Response] = []
+
+        def long_answer(i: int) -> None:
+            # Not streamed: nothing comes until its 60 tokens are done, ~3 s.
+            results.append(complete(router, f"long {i}", 60))
+
+        threads = [threading.Thread(target=long_answer, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert [r.status_code for r in results] == [504] * 6
+        error = results[0].json()["error"]
+        assert (
+            error["code"] == "timeout" and "no byte from the engine for 1.5 s" in error["message"]
+        )
+        assert error["message"].startswith("decode engine http://")
+        stream.join(30)
+        assert stream.completed() and stream.text == echo(stream.prompt, 120)
+        view = admin(router, "GET", "/nodes").json()["nodes"]
+        assert [n["state"] for n in view] == ["serving"] * 3
+        assert all(n["consecutive_failures"] == 0 for n in view)
+        assert outcomes(router) == {"ok": 1, "timeout": 6}
+        router.assert_idle()
+
+
+BAD_URLS = [
+    "http://127.0.0.1:99999",
+    "http://127.0.0.1:0",
+    "http://127.0.0.1:1:2",
+    "http://engine-\u00e9.local:8200",
+    "http://127.0.0.1:8200\r\nX-Evil: 1",
+    "http://user:secret@127.0.0.1:8200",
+    "http://exa mple:8200",
+    "ftp://127.0.0.1:8200",
+    "http://127.0.0.1:8200/?q=1",
+    42,
+]
+
+
+def test_admin_nodes_with_bad_urls_are_refused_and_the_prober_lives_on(fleet: SimFleet) -> None:
+    with router_for(fleet) as router, EngineProcess("decode", ["--slots", "8"]) as extra:
+        for url in BAD_URLS:
+            answer = admin(router, "POST", "/nodes", json={"url": url, "role": "decode"})
+            assert answer.status_code == 400, (url, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "url" and error["message"].startswith("url: "), error
+            assert "secret" not in answer.text
+        assert len(node_states(router)) == 3
+        added = admin(router, "POST", "/nodes", json={"url": extra.url, "role": "decode"})
+        assert added.status_code == 201
+        # The prober still runs: a killed engine goes dead, and comes back when restarted.
+        victim = fleet.decode[0]
+        victim_id = node_ids(router)[victim.url]
+        victim.kill()
+        wait_for(lambda: node_states(router)[victim_id] == "dead", what="dead")
+        victim.start().wait_healthy()
+        wait_for(lambda: node_states(router)[victim_id] == "serving", what="readmitted")
+        assert node_states(router)[added.json()["id"]] == "serving"
+
+
+def test_a_client_that_stalls_the_router_gets_no_engine_blamed(fleet: SimFleet) -> None:
+    """A 32 MB prompt of 16M token ids keeps the router's loop busy for about half a second
+    (parsing and checking it) before its 429. Every engine's /health takes 0.2 s of the
+    0.3 s allowed, so a probe is out whenever that happens, and times out: void, since the
+    router lagged. One counted failure would make the node unhealthy here."""
+    with router_for(fleet, "--decode-slots", "1", "--unhealthy-after", "1") as router:
+        streams = streaming(router, "meanwhile", 2, 100)  # both slots
+        for engine in fleet.engines:
+            engine.configure(health_delay=0.2)
+        body = orjson.dumps({"model": "sim-model", "prompt": [7] * 16_000_000, "max_tokens": 1})
+        for _ in range(3):
+            answer = httpx.post(
+                f"{router.url}/v1/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=60,
+            )
+            assert answer.status_code == 429, answer.text[:300]
+        # Slow /health only while the router stalls: 0.1 s of margin is all a probe has, and
+        # on a busy machine a sim engine descheduled that long is slow for real.
+        for engine in fleet.engines:
+            engine.configure(health_delay=0)
+        for stream in streams:
+            stream.join(30)
+            assert stream.completed() and stream.text == echo(stream.prompt, 100)
+        view = admin(router, "GET", "/nodes").json()["nodes"]
+        assert [n["state"] for n in view] == ["serving"] * 3, view
+        log = router.log()
+        assert "is unhealthy" not in log and "is dead" not in log, "a verdict, since readmitted"
+        assert "void: the router's own loop ran" in log, "no probe was caught: nothing tested"
+        router.assert_idle()
+
+
+def test_an_engine_url_with_credentials_is_refused_at_start_without_printing_them(
+    fleet: SimFleet,
+) -> None:
+    router = RouterProcess(["http://user:pw@127.0.0.1:1"], [fleet.decode[0].url])
+    router.start()
+    try:
+        assert router.wait_exit(timeout=20) == 2
+        assert "credentials in an engine URL are not supported" in router.log()
+        assert "user:pw" not in router.log(), "credentials are never printed"
+    finally:
+        router.stop()
+
+
+def huge_head(router: RouterProcess, size: int) -> bytes:
+    """A request whose one header is ``size`` bytes, sent until the router stops reading;
+    what it answered, if anything arrived before the connection's end."""
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        chunk = b"x" * (1 << 20)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: ")
+            for _ in range(size // len(chunk)):
+                sock.sendall(chunk)
+        except OSError:
+            pass  # closed on us, as it should be
+        try:
+            return sock.recv(65536)
+        except OSError:
+            return b""
+
+
+def test_a_128_mib_header_is_refused_early_and_stalls_nobody(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        (stream,) = streaming(router, "meanwhile", 1, 100)
+        started = time.monotonic()
+        answer = huge_head(router, 128 << 20)
+        assert time.monotonic() - started < 10, "refused before the whole header was read"
+        if answer:  # the 431 can be lost to the reset of a connection closed mid-upload
+            assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+            assert b'"code":"request_header_fields_too_large"' in answer
+        small = complete(router, "after the big one")
+        assert small.status_code == 200
+        stream.join(30)
+        assert stream.completed() and stream.text == echo(stream.prompt, 100)
+        log = router.log()
+        assert "is unhealthy" not in log and "is dead" not in log
+        router.assert_idle()
+
+
+def test_a_head_just_under_the_limit_is_served_and_just_over_is_431(fleet: SimFleet) -> None:
+    with router_for(fleet, "--max-header-bytes", "4096") as router:
+        body = {"model": "sim-model", "prompt": "fits", "max_tokens": 2}
+        url = f"{router.url}/v1/completions"
+        fits = httpx.post(url, json=body, headers={"x-pad": "p" * 3500}, timeout=10)
+        assert fits.status_code == 200
+        over = httpx.post(url, json=body, headers={"x-pad": "p" * 5000}, timeout=10)
+        assert over.status_code == 431
+        assert over.json()["error"]["code"] == "request_header_fields_too_large"
+        # Keep-alive: many requests on one connection, each head counted on its own.
+        with httpx.Client(timeout=10) as client:
+            for i in range(20):
+                pad = {"x-pad": "p" * 3000}
+                assert client.post(url, json=body, headers=pad).status_code == 200
+        router.assert_idle()

@@ -1,0 +1,268 @@
+"""The live fleet's rules with no server, under asyncio and trio: bindings, the two
+verdicts (unhealthy, dead) and their evidence, readmission, drain and removal."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from pd_router.errors import Evidence, NodeDead, RouterError, Unavailable
+from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
+from pd_router.fleet.registry import Fleet
+
+pytestmark = pytest.mark.anyio
+
+REFUSED = Failure("unreachable", "connection refused", Evidence.FATAL)
+BROKEN = Failure("broken stream", "stream broken", Evidence.HARD)
+SLOW = Failure("probe timeout", "no answer within 1 s", Evidence.SOFT)
+HTTP_500 = Failure("http 5xx", "500", Evidence.SOFT)
+
+
+class Request:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.errors: list[RouterError] = []
+
+    def fail(self, error: RouterError) -> None:
+        self.errors.append(error)
+
+
+def make_fleet(decode: int = 2, slots: int = 1) -> Fleet:
+    prefill = [Node(id=0, url="http://p0", slots=1, role="prefill")]
+    nodes = [Node(id=i + 1, url=f"http://d{i}", slots=slots) for i in range(decode)]
+    return Fleet(prefill, nodes, HealthPolicy(unhealthy_after=3, healthy_after=2))
+
+
+async def test_a_dead_decode_node_fails_only_its_own_requests_once() -> None:
+    fleet = make_fleet(decode=2, slots=4)
+    requests = [Request(f"r{i}") for i in range(8)]
+    with_bindings = []
+    for request in requests:
+        reservation = await fleet.pool.acquire(0)
+        binding = fleet.bind(request, reservation.node)
+        binding.__enter__()
+        with_bindings.append((request, reservation, binding))
+    d0 = fleet.pool.nodes[0]
+    on_d0 = {r.request_id for r, res, _ in with_bindings if res.node is d0}
+    assert len(on_d0) == 4 and d0.bound == on_d0
+    fleet.failed(d0, REFUSED)
+    fleet.failed(d0, REFUSED)  # a second report changes nothing
+    for request, reservation, binding in with_bindings:
+        if request.request_id in on_d0:
+            assert len(request.errors) == 1 and isinstance(request.errors[0], NodeDead)
+            assert "node 1 (http://d0) is dead" in request.errors[0].message
+        else:
+            assert request.errors == []
+        binding.__exit__(None, None, None)
+        reservation.release()
+    assert fleet.bindings == {} and all(not n.bound for n in fleet.nodes)
+    assert fleet.pool.in_use == 0
+    assert d0.state is State.DEAD
+    for _ in range(4):
+        reservation = await fleet.pool.acquire(0)
+        assert reservation.node is not d0, "a dead node is never picked"
+    assert fleet.serving_view() == [0, 2]
+
+
+async def test_soft_failures_make_a_node_unhealthy_never_dead() -> None:
+    fleet = make_fleet()
+    node = fleet.pool.nodes[0]
+    fleet.failed(node, HTTP_500)
+    fleet.failed(node, HTTP_500)
+    fleet.served(node)  # a real request that succeeded ends the streak
+    fleet.failed(node, SLOW)
+    fleet.failed(node, SLOW)
+    assert node.state is State.SERVING and node.failures == 2
+    fleet.failed(node, SLOW)
+    assert node.state is State.UNHEALTHY and node.reason == "probe timeout"
+    for _ in range(20):
+        fleet.failed(node, SLOW)
+    assert node.state is State.UNHEALTHY, "slow is not dead, however long"
+
+
+async def test_hard_failures_in_a_row_make_a_node_dead_and_a_refusal_at_once() -> None:
+    fleet = make_fleet(decode=3)
+    d0, d1, d2 = fleet.pool.nodes
+    fleet.failed(d0, BROKEN)
+    fleet.failed(d0, SLOW)  # soft failures do not end a streak of hard ones
+    fleet.failed(d0, BROKEN)
+    assert d0.state is State.UNHEALTHY  # three failures in a row, two of them hard
+    fleet.failed(d0, BROKEN)
+    assert d0.state is State.DEAD and d0.reason == "broken stream"
+    fleet.failed(d1, REFUSED)
+    assert d1.state is State.DEAD and d1.reason == "unreachable"
+    assert d2.state is State.SERVING
+
+
+async def test_an_unhealthy_node_keeps_its_requests_and_gets_no_new_ones() -> None:
+    fleet = make_fleet(decode=2, slots=4)
+    d0, d1 = fleet.pool.nodes
+    request = Request("running")
+    reservation = await fleet.pool.acquire(0)
+    assert reservation.node is d0
+    with fleet.bind(request, d0):
+        for _ in range(3):
+            fleet.failed(d0, SLOW)
+        assert d0.state is State.UNHEALTHY
+        assert request.errors == [], "unhealthy fails nothing"
+        for _ in range(4):
+            assert (await fleet.pool.acquire(0)).node is d1
+        assert fleet.serving_view() == [0, 2]
+    reservation.release()
+
+
+async def test_with_every_node_unhealthy_new_requests_still_go_to_them() -> None:
+    """A slow engine serves better than a 503: with no serving node of a role, the
+    unhealthy ones take new requests (never the dead or draining ones)."""
+    fleet = make_fleet(decode=2, slots=2)
+    d0, d1 = fleet.pool.nodes
+    prefill = fleet.prefill.nodes[0]
+    for node in (d0, d1, prefill):
+        for _ in range(3):
+            fleet.failed(node, SLOW)
+    assert {d0.state, d1.state, prefill.state} == {State.UNHEALTHY}
+    assert fleet.prefill.pick(0) is prefill
+    taken = [await fleet.pool.acquire(0) for _ in range(2)]
+    assert {r.node for r in taken} == {d0, d1}
+    fleet.failed(d0, REFUSED)
+    assert (await fleet.pool.acquire(0)).node is d1, "a dead node is never used"
+    fleet.probed(d1)
+    fleet.probed(d1)
+    assert d1.state is State.SERVING and fleet.serving_view() == [0, 2]
+    fleet.probed(prefill)
+    fleet.probed(prefill)
+    assert fleet.prefill.pick(0) is prefill and prefill.state is State.SERVING
+
+
+async def test_a_stalled_node_fails_its_silent_streams_and_is_held_out() -> None:
+    now = [100.0]
+    prefill = [Node(id=0, url="http://p0", slots=1, role="prefill")]
+    decode = [Node(id=1, url="http://d0", slots=4), Node(id=2, url="http://d1", slots=4)]
+    fleet = Fleet(prefill, decode, HealthPolicy(3, 2), clock=lambda: now[0])
+    d0 = decode[0]
+    stalled, waiting = Request("stalled"), Request("waiting for its KV")
+    with fleet.bind(stalled, d0) as silent, fleet.bind(waiting, d0):
+        fleet.stalled(d0, [silent], 42.0, hold=30.0)
+        assert [e.code for e in stalled.errors] == ["stalled"] and waiting.errors == []
+        assert stalled.errors[0].status == 504 and "42 s" in stalled.errors[0].message
+    assert d0.state is State.UNHEALTHY and d0.reason == "stalled"
+    assert d0.last_error is not None and d0.last_error.startswith("stalled 42 s")
+    # Its /health says 200 all along: good probes readmit it only after the hold.
+    for _ in range(5):
+        fleet.probed(d0)
+    assert d0.state is State.UNHEALTHY
+    now[0] += 30
+    fleet.probed(d0)
+    assert d0.state is State.SERVING
+
+
+async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() -> None:
+    fleet = make_fleet(decode=1)
+    held = await fleet.pool.acquire(0)
+    failures: list[Unavailable] = []
+
+    async def waiter() -> None:
+        try:
+            await fleet.pool.acquire(60)
+        except Unavailable as error:
+            failures.append(error)
+
+    with anyio.fail_after(5):  # not the 60 s queue timeout
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(waiter)
+            while fleet.pool.queue_depth < 3:
+                await anyio.sleep(0)
+            fleet.failed(fleet.pool.nodes[0], REFUSED)
+    assert len(failures) == 3 and all(e.status == 503 for e in failures)
+    assert str(failures[0]) == "no live decode node"
+    with pytest.raises(Unavailable):
+        await fleet.pool.acquire(60)
+    held.release()
+    assert fleet.pool.in_use == 0
+
+
+async def test_a_readmitted_node_serves_the_queue() -> None:
+    fleet = make_fleet(decode=2)
+    d0, d1 = fleet.pool.nodes
+    fleet.failed(d0, REFUSED)
+    held = await fleet.pool.acquire(0)
+    assert held.node is d1
+    served: list[Node] = []
+
+    async def waiter() -> None:
+        async with fleet.pool.reserve(10) as reservation:
+            served.append(reservation.node)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        while fleet.pool.queue_depth < 1:
+            await anyio.sleep(0)
+        fleet.probed(d0)
+        assert d0.state is State.DEAD, "one probe is not enough"
+        fleet.probed(d0)
+        assert d0.state is State.SERVING
+    assert served == [d0]
+    held.release()
+
+
+async def test_drain_then_remove_with_stable_ids() -> None:
+    fleet = make_fleet(decode=2)
+    d0, d1 = fleet.pool.nodes
+    request = Request("r1")
+    reservation = await fleet.pool.acquire(0)
+    assert reservation.node is d0
+    binding = fleet.bind(request, d0)
+    binding.__enter__()
+    fleet.drain(d0)
+    assert (await fleet.pool.acquire(0)).node is d1, "no new request lands on a draining node"
+    with pytest.raises(ValueError, match="in flight"):
+        fleet.remove(d0)
+    with pytest.raises(ValueError, match="drain it first"):
+        fleet.remove(d1)
+    binding.__exit__(None, None, None)
+    reservation.release()
+    fleet.remove(d0)
+    added = fleet.add("http://d9", "decode", 2)
+    assert [n.id for n in fleet.nodes] == [0, 2, 3] and added.id == 3
+    assert request.errors == []
+
+
+async def test_forced_removal_fails_the_bound_requests() -> None:
+    fleet = make_fleet(decode=1)
+    request = Request("r1")
+    reservation = await fleet.pool.acquire(0)
+    with fleet.bind(request, reservation.node):
+        fleet.remove(reservation.node, force=True)
+        assert len(request.errors) == 1 and "removed" in request.errors[0].message
+    reservation.release()
+    assert fleet.pool.nodes == [] and fleet.bindings == {}
+
+
+def test_request_ids_are_unique_from_arrival_to_end() -> None:
+    """Queued requests (no slot, no binding yet) hold their id too."""
+    fleet = make_fleet()
+    first, second, third = Request("same"), Request("same"), Request("same")
+    assert fleet.admit("same", first) == "same"
+    assert fleet.admit("same", second) == "same.2"
+    assert fleet.requests == {"same": first, "same.2": second}
+    fleet.leave("same")
+    assert fleet.admit("same", third) == "same"
+
+
+async def test_a_death_spares_the_streams_still_flowing_on_the_node() -> None:
+    """Refused probes (an engine shutting down gracefully refuses new connections) never
+    end a stream whose bytes still flow: it ends on its own, whole or broken."""
+    fleet = make_fleet(decode=1, slots=4)
+    (d0,) = fleet.pool.nodes
+    flowing, silent, unstarted = Request("flowing"), Request("silent"), Request("no KV yet")
+    with fleet.bind(flowing, d0) as a, fleet.bind(silent, d0) as b, fleet.bind(unstarted, d0):
+        a.stream = b.stream = object()  # type: ignore[assignment]
+        b.silent = 3.0
+        for _ in range(3):
+            fleet.failed(d0, Failure("probe refused", "refused", Evidence.HARD))
+        assert d0.state is State.DEAD
+        assert flowing.errors == []
+        assert [type(e) for e in silent.errors + unstarted.errors] == [NodeDead, NodeDead]
+        fleet.remove(d0, force=True)  # an operator's forced removal spares nothing
+        assert len(flowing.errors) == 1

@@ -1,0 +1,141 @@
+"""Metrics and logs after a scripted mix of outcomes: every counter and histogram count
+moves by exactly what the mix implies, and every request leaves one log line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pd_router.sim.fleet import SimFleet
+from tests.helpers import RawClient, RouterProcess, wait_for
+
+STREAM = {"model": "sim-model", "prompt": "metrics please", "max_tokens": 30, "stream": True}
+SHORT = {"model": "sim-model", "prompt": "short one", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet(prefill=1, decode=1, decode_args=["--itl", "0.02"]) as fleet:
+        yield fleet
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def requests(outcome: str) -> str:
+    return f"pd_router_requests_total{{endpoint=completions,outcome={outcome}}}"
+
+
+def count(histogram: str) -> str:
+    return f"pd_router_{histogram}_seconds_count"
+
+
+def test_metrics_and_log_lines_follow_a_scripted_mix(fleet: SimFleet) -> None:
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--log-format", "json") as router:
+        before = router.metrics()
+        url = f"{router.url}/v1/completions"
+        # 2 ok: one streamed, one not.
+        assert httpx.post(url, json=SHORT).status_code == 200
+        assert httpx.post(url, json={**SHORT, "stream": True}).status_code == 200
+        # 1 rejected_busy while a stream holds the only slot (the holder ends ok: 3 ok).
+        holder = RawClient(router.url, "/v1/completions", STREAM)
+        holder.read_until(b"data: ")
+        assert httpx.post(url, json=SHORT).status_code == 429
+        assert holder.read_all().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        # 1 client_aborted mid-stream.
+        leaver = RawClient(router.url, "/v1/completions", STREAM, ["X-Request-Id: leaver"])
+        leaver.read_until(b'"text"', count=2)
+        leaver.hang_up()
+        wait_for(lambda: router.in_use() == 0, what="the leaver's slot")
+        # 1 decode_error: the engine answers 500 (an upstream error of kind http_5xx).
+        decode.configure(fail_status=500, fail_message="engine exploded")
+        try:
+            assert httpx.post(url, json=SHORT).status_code == 500
+        finally:
+            decode.configure(fail_status=None)
+        # 1 bad_request.
+        assert httpx.post(url, content=b"{nope").status_code == 400
+        wait_for(
+            lambda: sum(
+                delta(router.metrics(), before, requests(o))
+                for o in ("ok", "rejected_busy", "client_aborted", "decode_error", "bad_request")
+            )
+            == 7,
+            what="all 7 requests counted",
+        )
+        after = router.metrics()
+        expected = {
+            "ok": 3,
+            "rejected_busy": 1,
+            "client_aborted": 1,
+            "decode_error": 1,
+            "bad_request": 1,
+            "rejected_timeout": 0,
+            "prefill_error": 0,
+            "node_dead": 0,
+        }
+        assert {o: delta(after, before, requests(o)) for o in expected} == expected
+        # Histograms: duration for every relayed request (all but the bad one); a slot and
+        # a prefill for all but the busy one; a first token for the 3 ok ones and the
+        # leaver, which had tokens before it left.
+        assert delta(after, before, count("request_duration")) == 6
+        assert delta(after, before, count("queue_wait")) == 5
+        assert delta(after, before, count("prefill_duration")) == 5
+        assert delta(after, before, count("time_to_first_token")) == 4
+        errors = {k: v for k, v in after.items() if k.startswith("pd_router_upstream_errors")}
+        labels = f"kind=http_5xx,node=1,role=decode,url={decode.url}"
+        assert errors == {f"pd_router_upstream_errors_total{{{labels}}}": 1}
+        router.assert_idle()
+        lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+    finished = [line for line in lines if line["logger"] == "pd_router.access"]
+    assert len(finished) == 6, "one line per relayed request"
+    assert sorted(line["outcome"] for line in finished) == sorted(
+        ["ok"] * 3 + ["rejected_busy", "client_aborted", "decode_error"]
+    )
+    leaver_line = next(line for line in finished if line["request_id"] == "leaver")
+    assert leaver_line["prefill_node"] == 0 and leaver_line["decode_node"] == 1
+    assert leaver_line["queued_s"] >= 0 and leaver_line["prefill_s"] > 0
+    assert leaver_line["ttft_s"] > 0 and leaver_line["bytes"] > 0 and leaver_line["stream"]
+    ok = next(line for line in finished if line["outcome"] == "ok" and not line["stream"])
+    assert ok["duration_s"] >= ok["ttft_s"] >= ok["prefill_s"] > 0 and ok["status"] == 200
+
+
+def test_a_queue_timeout_is_counted_as_such(fleet: SimFleet) -> None:
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--queue-timeout", "0.3") as router:
+        before = router.metrics()
+        holder = RawClient(router.url, "/v1/completions", STREAM)
+        holder.read_until(b"data: ")
+        response = httpx.post(f"{router.url}/v1/completions", json=SHORT)
+        assert response.status_code == 429
+        holder.read_all()
+        wait_for(lambda: router.in_use() == 0, what="the holder's slot")
+        after = router.metrics()
+        assert delta(after, before, requests("rejected_timeout")) == 1
+        assert delta(after, before, count("queue_wait")) == 1, "only the holder got a slot"
+        line = next(x for x in router.log().splitlines() if "outcome=rejected_timeout" in x)
+        assert "decode_node=None" in line and "queued_s=None" in line
+
+
+def test_latency_histograms_count_a_bound_in_its_own_bucket() -> None:
+    from pd_router.ops.metrics import Histogram
+
+    histogram = Histogram("pd_router_x_seconds", "x")
+    for seconds in (0.001, 0.0011, 0.3, 400.0):
+        histogram.observe(seconds)
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for sample in histogram.family().samples
+    }
+    buckets = {le: value for (name, le), value in samples.items() if name.endswith("_bucket")}
+    # Prometheus buckets are cumulative and "less than or equal".
+    assert buckets["0.001"] == 1 and buckets["0.005"] == 2
+    assert buckets["0.25"] == 2 and buckets["0.5"] == 3 and buckets["300.0"] == 3
+    assert buckets["+Inf"] == 4
+    assert samples[("pd_router_x_seconds_count", None)] == 4
+    assert samples[("pd_router_x_seconds_sum", None)] == 0.001 + 0.0011 + 0.3 + 400.0

@@ -1,0 +1,309 @@
+"""The fleet shared on a real redis-server (``shared/fleet.py``): several "routers" (a fleet,
+a shared pool and a shared fleet each, as each router process has) in one event loop,
+under asyncio and trio. Ids the same on every router and kept across restarts, admin
+changes everywhere within a second, deaths and readmissions everywhere, every router's
+requests per node, and a Redis that lost the fleet getting it back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from pd_router.discovery.loop import apply
+from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
+from pd_router.errors import Evidence, NodeDead, StateUnavailable
+from pd_router.fleet.nodes import Failure, HealthPolicy, State, make_nodes
+from pd_router.fleet.registry import Fleet
+from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.pool import SharedPool
+from pd_router.shared.redis import Redis, parse_url
+from tests.fleet.test_registry import Request
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.anyio
+
+P0, D0, D1, D2 = "http://p0:1", "http://d0:1", "http://d1:1", "http://d2:1"
+REFUSED = Failure("unreachable", "connection refused", Evidence.FATAL)
+
+
+@asynccontextmanager
+async def router(
+    server: RedisServer,
+    prefill: Sequence[str] = (P0,),
+    decode: Sequence[str] = (D0, D1),
+    lease: float = 10.0,
+    slots: int = 2,
+) -> AsyncIterator[SharedFleet]:
+    """One router's fleet with its shared pool and shared fleet, background work running."""
+    first = make_nodes(prefill, 1, role="prefill")
+    client = Redis(parse_url(server.url), timeout=1.0)
+    fleet = Fleet(
+        first,
+        make_nodes(decode, slots, first_id=len(first)),
+        HealthPolicy(unhealthy_after=3, healthy_after=2),
+        pool=lambda nodes: SharedPool(nodes, client, lease),
+    )
+    assert isinstance(fleet.pool, SharedPool)
+    shared = SharedFleet(fleet, fleet.pool)
+    async with anyio.create_task_group() as tg:
+        for _, work in [*fleet.pool.background(), *shared.background()]:
+            tg.start_soon(work)
+        await until(lambda: fleet.pool.available)
+        try:
+            yield shared
+        finally:
+            tg.cancel_scope.cancel()
+    await client.aclose()
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> float:
+    """Seconds until ``check`` held."""
+    started = anyio.current_time()
+    with anyio.fail_after(seconds):
+        while not check():
+            await anyio.sleep(0.005)
+    return anyio.current_time() - started
+
+
+def ids(shared: SharedFleet) -> dict[str, int]:
+    return {node.url: node.id for node in shared.fleet.nodes}
+
+
+def state(shared: SharedFleet, url: str) -> State | None:
+    return next((n.state for n in shared.fleet.nodes if n.url == url), None)
+
+
+async def test_every_router_gives_a_url_the_same_id_and_a_restart_keeps_them(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, decode=[D0, D1]) as a:
+        async with router(redis_server, decode=[D1, D2, D0]) as b:
+            assert ids(a) == {P0: 0, D0: 1, D1: 2, D2: 3}, "b's new node is a's too"
+            assert ids(b) == ids(a)
+            added = await b.add("http://d9:1", "decode", 3, {"zone": "x"})
+            assert added.id == 4
+            await until(lambda: ids(a).get("http://d9:1") == 4, 1.0)
+            d1 = a.fleet.node(2)
+            assert d1 is not None
+            await a.drain(d1)
+            await until(lambda: state(b, D1) is State.DRAINING, 1.0)
+            await b.remove(b.fleet.node(2) or d1, False)
+            await until(lambda: a.fleet.node(2) is None, 1.0)
+            again = await a.add(D1, "decode", 2, {})
+            assert again.id == 2, "an URL added again keeps its id"
+            await a.drain(again)
+            await a.remove(again, False)
+    # Every router stopped; they start again from their flags alone.
+    async with router(redis_server, decode=[D0, D1]) as c:
+        assert ids(c) == {P0: 0, D0: 1, D2: 3, "http://d9:1": 4}, "d1 stays removed"
+        d9 = c.fleet.node(4)
+        assert d9 is not None and d9.slots == 3 and d9.labels == {"zone": "x"}
+
+
+async def test_the_slot_pool_counts_the_fleets_slots_whatever_a_routers_flags_say(
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def slots_in_redis() -> int:
+        return int(await redis.call("HGET", "{pdr}:slots", D0))
+
+    async with router(redis_server, slots=2) as a, router(redis_server, slots=8) as b:
+        assert [n.slots for n in b.fleet.pool.nodes] == [2, 2], "the fleet's, not b's flags"
+        assert "the shared fleet has 2 slots, this router's flags 8" in caplog.text
+        await b.pool._renew()
+        assert await slots_in_redis() == 2
+        await b.add(D0, "decode", 4, {})  # an operator changes them, for every router
+        await until(lambda: [n.slots for n in a.fleet.pool.nodes] == [4, 2], 1.0)
+        await a.pool._renew()
+        assert await slots_in_redis() == 4
+
+
+async def test_a_node_found_dead_is_dead_everywhere_and_each_router_fails_only_its_own(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server) as a, router(redis_server) as b:
+        a_d0, b_d0 = a.fleet.node(1), b.fleet.node(1)
+        assert a_d0 is not None and b_d0 is not None
+        on_a, on_b, elsewhere = Request("on-a"), Request("on-b"), Request("on-b-d1")
+        with (
+            a.fleet.bind(on_a, a_d0),
+            b.fleet.bind(on_b, b_d0),
+            b.fleet.bind(elsewhere, b.fleet.pool.nodes[1]),
+        ):
+            a.fleet.failed(a_d0, REFUSED, reporter=on_a)  # a's own request saw it
+            took = await until(lambda: b_d0.state is State.DEAD, 1.0)
+            assert on_a.errors == [], "the reporter deals with its own error"
+            assert [type(e) for e in on_b.errors] == [NodeDead] and elsewhere.errors == []
+            assert "found by router " + a.router_id in (b_d0.last_error or "")
+        for _ in range(2):
+            b.fleet.probed(b_d0)
+        await until(lambda: a_d0.state is State.SERVING, 1.0)
+        a.fleet.failed(a_d0, REFUSED)
+        await until(lambda: b_d0.state is State.DEAD, 1.0)
+        await b.drain(b_d0)
+        await b.remove(b_d0, False)
+        added = await a.add(D0, "decode", 2, {})
+        assert added.id == 1 and added.state is State.SERVING, "added again: afresh"
+    assert took < 1.0
+    async with router(redis_server) as c:
+        assert state(c, D0) is State.SERVING
+
+
+async def test_every_routers_requests_per_node_are_seen_by_each(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server) as a, router(redis_server) as b:
+        d0 = b.fleet.node(1)
+        assert d0 is not None
+        x, y = Request("x"), Request("y")
+        with b.fleet.bind(x, d0), b.fleet.bind(y, d0):
+            await until(lambda: b._published == {1: 2}, 3.0)
+            counts = await a.in_flight()
+            assert counts[b.router_id] == {1: 2} and counts[a.router_id][1] == 0
+            node = a.fleet.node(1)
+            assert node is not None
+            await a.drain(node)
+            with pytest.raises(ValueError, match="2 requests in flight on other routers"):
+                await a.remove(node, False)
+            await a.remove(node, True)
+            await until(lambda: b.fleet.node(1) is None, 1.0)
+        assert [len(x.errors), len(y.errors)] == [1, 1], "forced: each failed, once"
+
+
+async def test_a_redis_that_lost_the_fleet_gets_it_back(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, decode=[D0, D1]) as a:
+        await a.add(D2, "decode", 2, {})
+        d0 = a.fleet.node(1)
+        assert d0 is not None
+        await a.drain(d0)
+        before = ids(a)
+        await redis.call("FLUSHALL")
+        await a.pool._renew()  # what its next renewal does: it registers again
+        assert ids(a) == before == {P0: 0, D0: 1, D1: 2, D2: 3}, "under the same ids"
+        assert state(a, D0) is State.DRAINING
+        await redis.call("FLUSHALL")
+        # A new router takes ids before the others notice: every router follows Redis's.
+        async with router(redis_server, decode=[D2]) as b:
+            await until(lambda: ids(a) == ids(b) and len(ids(b)) == 4)
+            assert state(b, D0) is State.DRAINING
+
+
+async def test_redis_away_leaves_the_local_fleet_and_admin_changes_get_a_clear_error(
+    redis: Redis,
+) -> None:
+    with RedisServer() as server:
+        async with router(server) as a:
+            server.kill()
+            node = a.fleet.node(1)
+            assert node is not None
+            with pytest.raises(StateUnavailable):
+                await a.drain(node)
+            a.fleet.failed(node, REFUSED)  # found while Redis is away: sent when it is back
+            assert ids(a) == {P0: 0, D0: 1, D1: 2} and node.state is State.DEAD
+            server.start()
+            async with router(server) as b:
+                await until(lambda: state(b, D0) is State.DEAD, 3.0)
+
+
+async def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_stops(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    # A router that died holding the prober lease: it lapses within a second.
+    await redis.call("SET", "{pdr}:prober", "dead-router", "PX", "1000")
+    async with router(redis_server, lease=1.0) as a:
+        assert not a.may_probe()
+        took = await until(a.may_probe, 3.0)
+        assert took > 0.3, "not before the dead router's lease lapsed"
+        async with router(redis_server, lease=1.0) as b:
+            await anyio.sleep(1.0)
+            assert a.may_probe() and not b.may_probe(), "one prober for the fleet"
+
+
+async def test_dns_discovery_through_the_shared_fleet_keeps_one_id_and_the_operators_drain(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Two routers discovering one address get one node, one id; a DNS drain is undone by
+    the address's return but an operator's drain is not; a removal waits for the other
+    router's requests; an address back after its removal keeps its id."""
+    source = "dns:decode.test:8200"
+    async with router(redis_server, decode=[D0]) as a, router(redis_server, decode=[D0]) as b:
+        found = await a.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert found is not None and found.state is State.JOINING and found.source == source
+        again = await b.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert again is not None and again.id == found.id
+        assert [n.url for n in b.fleet.nodes].count(D2) == 1
+        # A good probe on one router admits the node on the other.
+        a.fleet.probed(found)
+        await until(lambda: state(b, D2) is State.SERVING)
+        # Gone from a's lookups: drained everywhere, and back: joining again everywhere.
+        await a.gone(found)
+        await until(lambda: state(b, D2) is State.DRAINING)
+        assert await a.back(found)
+        await until(lambda: state(b, D2) is State.JOINING)
+        # An operator's drain is neither marked as DNS's nor undone by a return.
+        await b.drain(again)
+        await until(lambda: state(a, D2) is State.DRAINING)
+        await a.gone(found)
+        assert not await a.back(found)
+        assert state(a, D2) is State.DRAINING
+        # Gone for good: the removal waits while b has a request on it.
+        with b.fleet.bind(Request("r1"), again):
+            await counted(a, b, found.id, 1)
+            with pytest.raises(ValueError, match="1 requests in flight on other routers"):
+                await a.retire(found, force=False)
+        await counted(a, b, found.id, 0)
+        await a.retire(found, force=False)
+        await until(lambda: state(b, D2) is None)
+        # Listed again after its removal: registered again under the same id.
+        back = await b.discovered(D2, "decode", 4, {"zone": "a"}, source)
+        assert back is not None and (back.id, back.state) == (found.id, State.JOINING)
+        await until(lambda: state(a, D2) is State.JOINING)
+
+
+async def counted(asker: SharedFleet, other: SharedFleet, node_id: int, count: int) -> None:
+    """Until ``asker`` reads ``count`` requests of ``other``'s on the node."""
+    with anyio.fail_after(5):
+        while (await asker.in_flight()).get(other.router_id, {}).get(node_id, 0) != count:
+            await anyio.sleep(0.05)
+
+
+async def test_routers_whose_lookups_differ_never_fail_a_request_nor_duplicate_a_node(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """The discovery loop's rule with --state: a router whose lookup lost an address drains
+    it for the fleet and removes it once no router has a request on it; one that still
+    lists it registers it again, under its id, after the removal."""
+    spec = parse_dns_spec("decode.test:1", "decode")
+    both, only_d0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
+    async with router(redis_server, decode=[]) as a, router(redis_server, decode=[]) as b:
+        found = {r: Discovery([Group(spec)], drain_timeout=60) for r in (a, b)}
+
+        async def look(r: SharedFleet, answer: Answer) -> None:
+            for node in await apply(found[r].groups[0], answer, r.fleet, found[r], r):
+                r.fleet.probed(node)
+
+        await look(a, both)
+        await look(b, both)
+        assert ids(a) == ids(b) and len(b.fleet.pool.nodes) == 2
+        d2 = ids(a)[D2]
+        b_d2 = b.fleet.node(d2)
+        assert b_d2 is not None
+        request = Request("r1")
+        with b.fleet.bind(request, b_d2):
+            await counted(a, b, d2, 1)
+            await look(a, only_d0)  # a's view: D2 gone; b still lists it
+            assert state(a, D2) is State.DRAINING, "not removed under b's request"
+            await until(lambda: state(b, D2) is State.DRAINING)
+            await look(b, both)
+            assert state(b, D2) is State.DRAINING, "b leaves a's drain alone"
+        assert request.errors == []
+        await counted(a, b, d2, 0)
+        await look(a, only_d0)
+        await until(lambda: state(b, D2) is None)
+        await look(b, both)  # b lists it still: the same node, back
+        await until(lambda: state(a, D2) is State.SERVING)
+        assert ids(a) == ids(b) and ids(b)[D2] == d2 and len(a.fleet.pool.nodes) == 2

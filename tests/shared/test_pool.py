@@ -1,0 +1,383 @@
+"""The shared decode pool (``shared/pool.py``) on a real redis-server, several "routers" (one
+pool each, as each router process has) in one event loop, under asyncio and trio.
+
+What the in-process pool guarantees must hold across them: no node over its slots, one
+first-come-first-served queue, a reservation given back exactly once, a waiter that leaves
+taking nothing; and what only a shared pool needs: a router that stops renewing its lease
+gives its slots back, and a Redis that restarted empty gets back what the routers hold.
+Model pools too: one queue per model, so a burst on one model queues nobody asking for
+another, and a freed slot goes to the oldest waiter its node serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+
+from pd_router.errors import Busy, QueueTimeout, Unavailable
+from pd_router.fleet.nodes import State, make_nodes
+from pd_router.fleet.pool import Reservation
+from pd_router.shared.pool import SharedPool
+from pd_router.shared.redis import Redis, parse_url
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.anyio
+
+URL = "http://127.0.0.1:9001"
+USED = "{pdr}:used"
+# Model pools: a node serving only model a, one serving only b, one serving both.
+A_URL, B_URL, AB_URL = "http://127.0.0.1:9011", "http://127.0.0.1:9012", "http://127.0.0.1:9013"
+Models = dict[str, frozenset[str] | None]
+TWO: Models = {A_URL: frozenset({"a"}), B_URL: frozenset({"b"})}
+
+
+@asynccontextmanager
+async def router(
+    server: RedisServer, slots: int = 1, lease: float = 10.0, models: Models | None = None
+) -> AsyncIterator[SharedPool]:
+    """One router's pool, its background work running, registered with Redis; ``models``:
+    its nodes and the models each serves (default: one node, ``URL``, serving any)."""
+    models = models or {URL: None}
+    nodes = make_nodes(list(models), slots)
+    for node in nodes:
+        node.models = models[node.url]
+    pool = SharedPool(nodes, Redis(parse_url(server.url), timeout=1.0), lease)
+    async with anyio.create_task_group() as tg:
+        for _, work in pool.background():
+            tg.start_soon(work)
+        await until(lambda: pool.available)
+        try:
+            yield pool
+        finally:
+            tg.cancel_scope.cancel()
+    await pool.redis.aclose()
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    with anyio.fail_after(seconds):
+        while not check():
+            await anyio.sleep(0.01)
+
+
+async def used(redis: Redis, url: str = URL) -> int:
+    value = await redis.call("HGET", USED, url)
+    return int(value or 0)
+
+
+async def until_used(redis: Redis, count: int, seconds: float = 5.0, url: str = URL) -> None:
+    with anyio.fail_after(seconds):
+        while await used(redis, url) != count:
+            await anyio.sleep(0.01)
+
+
+class Waiters:
+    """Waiters started one at a time, each in Redis's queue before the next starts; the
+    reservation each got, and in which order."""
+
+    def __init__(self, tg: TaskGroup) -> None:
+        self.tg = tg
+        self.got: dict[str, Reservation] = {}
+        self.order: list[str] = []
+
+    async def add(self, pool: SharedPool, name: str, model: str | None) -> None:
+        depth = pool.queue_depth
+        self.tg.start_soon(self._wait, pool, name, model)
+        await until(lambda: pool.queue_depth > depth)  # Redis answered "queued"
+
+    async def _wait(self, pool: SharedPool, name: str, model: str | None) -> None:
+        reservation = await pool.acquire(10, model)
+        self.got[name] = reservation
+        self.order.append(name)
+
+    async def hand(self, free: Callable[[], None], name: str, url: str) -> None:
+        """``free`` a slot (a release, a wake): ``name``, and nobody else, is served next, on
+        ``url``, at once, by the script that ran (a renewal, which would hand it out too, is
+        3 s away)."""
+        expected = [*self.order, name]
+        free()
+        await until(lambda: len(self.order) >= len(expected), seconds=2)
+        await anyio.sleep(0.1)  # nobody else is served meanwhile
+        assert self.order == expected
+        assert self.got[name].node.url == url
+
+    def release(self) -> None:
+        for reservation in self.got.values():
+            reservation.release()
+
+
+@asynccontextmanager
+async def two_routers(
+    server: RedisServer, models: Models = TWO
+) -> AsyncIterator[tuple[SharedPool, SharedPool]]:
+    async with router(server, models=models) as x, router(server, models=models) as y:
+        yield x, y
+
+
+@asynccontextmanager
+async def waiting(redis: Redis, *urls: str) -> AsyncIterator[Waiters]:
+    """Waiters for the block; after it, what they got given back and ``urls`` all free."""
+    async with anyio.create_task_group() as tg:
+        waiters = Waiters(tg)
+        yield waiters
+        waiters.release()
+    for url in urls:
+        await until_used(redis, 0, url=url)
+
+
+async def test_a_node_never_holds_more_than_its_slots_across_routers(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server) as a, router(redis_server) as b:
+        held = await a.acquire(0)
+        with pytest.raises(Busy):
+            await b.acquire(0)
+        assert await used(redis) == 1
+        held.release()
+        await until_used(redis, 0)
+        again = await b.acquire(0)
+        assert again.node.url == URL
+        again.release()
+        await until_used(redis, 0)
+
+
+async def test_waiters_are_served_first_come_first_served_across_routers(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    served: list[str] = []
+
+    async def wait(pool: SharedPool, name: str) -> None:
+        reservation = await pool.acquire(10)
+        served.append(name)
+        await anyio.sleep(0.05)
+        reservation.release()
+
+    async with router(redis_server) as a, router(redis_server) as b, router(redis_server) as c:
+        held = await a.acquire(0)
+        async with anyio.create_task_group() as tg:
+            for pool, name in [(b, "b1"), (c, "c1"), (a, "a2"), (b, "b2")]:
+                tg.start_soon(wait, pool, name)
+                await until(lambda p=pool: p.queue_depth > 0)
+                await anyio.sleep(0.02)  # its script has run: it is in Redis's queue
+            held.release()
+        assert served == ["b1", "c1", "a2", "b2"]
+        await until_used(redis, 0)
+
+
+async def test_a_waiter_that_leaves_takes_nothing_and_the_next_is_served(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server) as a, router(redis_server) as b:
+        held = await a.acquire(0)
+        with anyio.move_on_after(0.2):
+            await b.acquire(10)  # cancelled while queued
+        with pytest.raises(QueueTimeout):
+            await b.acquire(0.2)  # timed out
+        got: list[Reservation] = []
+
+        async def wait() -> None:
+            got.append(await a.acquire(10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await until(lambda: a.queue_depth == 1)
+            await anyio.sleep(0.05)
+            held.release()
+        assert await used(redis) == 1, "the leavers took nothing"
+        got[0].release()
+        await until_used(redis, 0)
+        assert b.queue_depth == 0 and a.queue_depth == 0
+
+
+async def test_a_reservation_is_given_back_once_however_often_it_is_released(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, slots=2) as a:
+        first, second = await a.acquire(0), await a.acquire(0)
+        assert await used(redis) == 2
+        for _ in range(3):
+            first.release()
+        await until_used(redis, 1)
+        await anyio.sleep(0.1)
+        assert await used(redis) == 1
+        second.release()
+        await until_used(redis, 0)
+
+
+async def test_a_router_that_stops_renewing_gives_its_slots_back_within_the_lease(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    lease = 1.0
+    async with router(redis_server, lease=lease) as survivor:
+        async with router(redis_server, lease=lease) as doomed:
+            await doomed.acquire(0)  # never released: the router "dies" holding it
+        # (leaving the block stopped its lease renewals, as a SIGKILL would)
+        started = anyio.current_time()
+        reservation = await survivor.acquire(3 * lease)
+        assert anyio.current_time() - started <= 2 * lease
+        reservation.release()
+        await until_used(redis, 0)
+
+
+async def test_redis_away_is_a_503_and_what_is_held_is_written_back_when_it_returns(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, lease=1.0) as a:
+        held = await a.acquire(0)
+        redis_server.kill()
+        with anyio.fail_after(3):
+            with pytest.raises(Unavailable) as caught:
+                await a.acquire(0)
+        assert caught.value.status == 503 and "shared state unavailable" in caught.value.message
+        await until(lambda: not a.available)
+        redis_server.start()  # same port, no data: as a Redis restart that lost everything
+        await until(lambda: a.available, seconds=10)
+        await until_used(redis, 1)  # the reservation in flight, counted again
+        held.release()
+        await until_used(redis, 0)
+
+
+async def test_a_release_while_redis_is_away_is_sent_when_it_returns(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, lease=1.0) as a:
+        held = await a.acquire(0)
+        redis_server.stop()
+        held.release()  # synchronous: queued for when Redis answers
+        redis_server.start()
+        await until(lambda: a.available, seconds=10)
+        await until_used(redis, 0)
+        again: Any = await a.acquire(0)
+        again.release()
+        await until_used(redis, 0)
+
+
+async def test_a_burst_on_one_model_queues_nobody_asking_for_another(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with two_routers(redis_server) as (a, b):
+        held = await a.acquire(0, "a")
+        async with waiting(redis, A_URL, B_URL) as waiters:
+            await waiters.add(a, "a1", "a")
+            await waiters.add(b, "a2", "a")
+            with anyio.fail_after(1):
+                assert await b.acquire_now(model="a") is None, "a's waiters come first"
+                now = await b.acquire(0, "b")  # fails fast if it would have to queue
+            assert now.node.url == B_URL and now.waited < 1
+            assert await used(redis, B_URL) == 1 and waiters.order == []
+            with pytest.raises(Busy):
+                await a.acquire(0, "b")  # b's own slots are all taken now
+            now.release()
+            await waiters.hand(held.release, "a1", A_URL)
+            await waiters.hand(waiters.got["a1"].release, "a2", A_URL)
+
+
+async def test_a_freed_slot_goes_to_the_oldest_waiter_its_node_serves_across_routers(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """First come first served within a model, across routers; an older waiter for a model
+    the node does not serve is passed over, not served out of its node."""
+    async with two_routers(redis_server) as (x, y):
+        held_a, held_b = await x.acquire(0, "a"), await y.acquire(0, "b")
+        async with waiting(redis, A_URL, B_URL) as waiters:
+            await waiters.add(y, "b1", "b")  # the oldest, but a's node does not serve b
+            for pool, name in [(x, "a1"), (y, "a2"), (x, "a3")]:
+                await waiters.add(pool, name, "a")
+            await waiters.hand(held_a.release, "a1", A_URL)
+            await waiters.hand(waiters.got["a1"].release, "a2", A_URL)
+            await waiters.hand(waiters.got["a2"].release, "a3", A_URL)
+            await waiters.hand(held_b.release, "b1", B_URL)
+
+
+async def test_a_node_serving_both_models_hands_its_slot_to_the_oldest_waiter_of_either(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    models: Models = {**TWO, AB_URL: frozenset({"a", "b"})}
+    async with two_routers(redis_server, models) as (x, y):
+        held = [await x.acquire(0), await y.acquire(0), await x.acquire(0)]  # the freest each
+        assert {reservation.node.url for reservation in held} == set(models)
+        (on_ab,) = (reservation for reservation in held if reservation.node.url == AB_URL)
+        async with waiting(redis, *models) as waiters:
+            for pool, name, model in [(y, "b1", "b"), (x, "a1", "a"), (x, "any", None)]:
+                await waiters.add(pool, name, model)
+            await waiters.add(y, "b2", "b")
+            await waiters.hand(on_ab.release, "b1", AB_URL)
+            await waiters.hand(waiters.got["b1"].release, "a1", AB_URL)
+            await waiters.hand(waiters.got["a1"].release, "any", AB_URL)
+            await waiters.hand(waiters.got["any"].release, "b2", AB_URL)
+            for reservation in held:
+                reservation.release()
+
+
+async def test_waiters_written_back_to_a_redis_that_lost_its_data_keep_their_model(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, lease=1.0, models=TWO) as x:
+        held_a, held_b = await x.acquire(0, "a"), await x.acquire(0, "b")
+        async with waiting(redis, A_URL, B_URL) as waiters:
+            await waiters.add(x, "a1", "a")  # the oldest: given b's slot, were its model lost
+            await waiters.add(x, "b1", "b")
+            await redis.call("FLUSHALL")  # as a Redis restarted empty
+            await until_used(redis, 1, url=A_URL)  # written back, the queue with them
+            await until_used(redis, 1, url=B_URL)
+            await waiters.hand(held_b.release, "b1", B_URL)
+            await waiters.hand(held_a.release, "a1", A_URL)
+
+
+async def test_a_slot_freed_on_an_unhealthy_node_goes_to_a_model_that_only_it_serves(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Unhealthy nodes take new requests for a model no serving node serves (``nodes.usable``
+    per model): a slot freed there goes to that model's waiter, as in-process."""
+    async with two_routers(redis_server) as (x, y):
+        for pool in (x, y):
+            pool.nodes[0].state = State.UNHEALTHY  # a's only node; b's still serves
+            pool.refresh()
+        held = await x.acquire(0, "a")
+        assert held.node.url == A_URL
+        async with waiting(redis, A_URL) as waiters:
+            await waiters.add(y, "a1", "a")
+            await waiters.hand(held.release, "a1", A_URL)
+
+
+async def test_a_free_slot_waits_for_the_renewal_to_reach_the_oldest_waiter_it_serves(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A slot freed while its node took no new requests stays free: a newcomer for its
+    model does not take it from that model's waiter, and the renewal that follows a node's
+    readmission (``wake``) hands it to that waiter, not to an older one for another model."""
+    async with two_routers(redis_server) as (x, y):
+        held_a, held_b = await x.acquire(0, "a"), await x.acquire(0, "b")
+        async with waiting(redis, A_URL, B_URL) as waiters:
+            await waiters.add(y, "b1", "b")  # the oldest; a's node does not serve b
+            await waiters.add(y, "a1", "a")
+            x.nodes[0].state = State.DRAINING  # in x's eyes: a's slot is freed, not handed
+            x.refresh()
+            held_a.release()
+            await until_used(redis, 0, url=A_URL)
+            assert waiters.order == []
+            assert await y.acquire_now(model="a") is None, "a1 came first"
+            await waiters.hand(y.wake, "a1", A_URL)
+            await waiters.hand(held_b.release, "b1", B_URL)
+
+
+async def test_the_waiters_of_a_router_whose_lease_ended_are_dropped(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, models=TWO) as x:
+        held = await x.acquire(0, "a")
+        await redis.call("HSET", "{pdr}:routers", "gone", "0")  # its lease long ended
+        await redis.call("ZADD", "{pdr}:queue:a", "0", "gone r1")  # older than any waiter
+        await redis.call("SADD", "{pdr}:queues", "a")
+        x.wake()  # a renewal: it gives back what routers whose lease ended held
+        with anyio.fail_after(2):
+            while await redis.call("EXISTS", "{pdr}:queue:a"):
+                await anyio.sleep(0.01)
+        assert await redis.call("SMEMBERS", "{pdr}:queues") == []
+        async with waiting(redis, A_URL) as waiters:
+            await waiters.add(x, "a1", "a")
+            await waiters.hand(held.release, "a1", A_URL)
