@@ -143,6 +143,31 @@ class QueueTimeout(Busy):
     outcome = "rejected_timeout"
 
 
+class Unauthorized(RouterError):
+    """No key, or a key not in ``--api-keys-file`` (``edge/auth.py``). The message never
+    repeats what the client sent."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    outcome = "unauthorized"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class RateLimited(RouterError):
+    """A key with ``max_in_flight`` requests in flight already (``fleet/keys.py``): only
+    that key is refused."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    outcome = "rate_limited"
+    retry_after = "1"
+
+
 class UpstreamError(RouterError):
     """An engine failed or answered with an error; its status is passed on when it has one.
 
@@ -153,7 +178,9 @@ class UpstreamError(RouterError):
     already serves may be fine), and, saying nothing against the node: ``http_4xx`` (the
     request's fault), ``timeout`` (the request's own outcome, 504), ``stalled`` (the stall
     watch ended it), ``node_dead`` (another request found the engine dead) and
-    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's).
+    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's),
+    ``tls`` (the TLS handshake failed: the router's own certificates or trust, an operator's
+    fault, not the engine's health).
     """
 
     type = "upstream_error"

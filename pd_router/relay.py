@@ -39,6 +39,8 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from pd_router.discovery.rules import Discovery
+from pd_router.edge.auth import Key
+from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -53,6 +55,7 @@ from pd_router.errors import (
     detached,
 )
 from pd_router.fleet import models
+from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
 from pd_router.fleet.prefill import prefix_key
@@ -86,6 +89,10 @@ class Router:
     stopping: anyio.Event | None = None
     # The names nodes are discovered by (--prefill-dns, --decode-dns), if any.
     discovery: Discovery | None = None
+    # The client keys (--api-keys-file): None, every client may use the fleet.
+    keys: KeyFile | None = None
+    # Requests in flight per key, for keys with a max_in_flight (the fleet's with --state).
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -97,7 +104,7 @@ class Router:
             self.stopping.set()
 
     def __post_init__(self) -> None:
-        self.telemetry = Telemetry(self.fleet, self.discovery)
+        self.telemetry = Telemetry(self.fleet, self.discovery, keys=self.keys is not None)
 
 
 class Relay:
@@ -105,9 +112,17 @@ class Relay:
     _reservation: Reservation
 
     def __init__(
-        self, router: Router, endpoint: Endpoint, body: dict[str, Any], request_id: str
+        self,
+        router: Router,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request_id: str,
+        key: Key | None = None,
     ) -> None:
         self.router = router
+        # The client's key (--api-keys-file); its name, never the key, is what is shown.
+        self.key = key
+        self.key_name = "" if key is None else key.name
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
@@ -167,11 +182,12 @@ class Relay:
         first = client.first_byte_at
         ttft = first - self._arrived if first is not None and client.status == 200 else None
         telemetry = self.router.telemetry
-        telemetry.count(self.endpoint, self.outcome)
+        telemetry.count(self.endpoint, self.outcome, self.key_name)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
         logs.request_finished(
             {
                 "request_id": self.request_id,
+                "key": self.key_name or None,
                 "endpoint": self.endpoint,
                 "model": self.model[: models.MAX_ID],
                 "outcome": self.outcome,
@@ -223,6 +239,19 @@ class Relay:
         # Unwound in reverse: engine connections closed, binding removed, slot released.
         # ``reserve`` puts the reservation inside the ``try`` that releases it (fleet/pool.py).
         models.check(self.model, fleet.offer)
+        limit = None if self.key is None else self.key.max_in_flight
+        if limit is None:
+            await self._reserve(client)
+            return
+        await router.key_limits.enter(self.key_name, limit)
+        try:
+            await self._reserve(client)
+        finally:
+            router.key_limits.leave(self.key_name)
+
+    async def _reserve(self, client: ClientStream) -> None:
+        router = self.router
+        fleet = router.fleet
         async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation
             try:

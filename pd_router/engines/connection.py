@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable
 from typing import cast
 
@@ -97,8 +98,11 @@ class EngineConnection(asyncio.Protocol):
         if exc is None and self.head_done and not self.complete and not self._framed:
             self.complete = True  # an unframed body ends when the peer closes (not resets)
         if self.error is None and not self.complete:
-            detail = f": {exc}" if exc is not None else ""
-            self.error = ConnectionLost(f"connection closed by the engine{detail}")
+            if isinstance(exc, ssl.SSLError):
+                self.error = exc  # the engine refused the router's TLS: said as such
+            else:
+                detail = f": {exc}" if exc is not None else ""
+                self.error = ConnectionLost(f"connection closed by the engine{detail}")
         self._keep_alive = False
         self._wake()
         if self.on_lost is not None:

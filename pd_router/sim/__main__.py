@@ -35,6 +35,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="sim-model")
     parser.add_argument("--max-model-len", type=_positive, default=4096)
     parser.add_argument("--prefill-delay", type=_non_negative, default=0.0)
+    # As vLLM's: /v1/* need 'Authorization: Bearer KEY'; /health and the KV pull do not.
+    parser.add_argument("--api-key")
+    parser.add_argument("--ssl-certfile")
+    parser.add_argument("--ssl-keyfile")
+    parser.add_argument("--ssl-ca-certs", help="CA of the client certificates to accept")
+    parser.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, help="0 none, 1 optional, 2 required (ssl.CERT_*)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +110,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             prefill_concurrency=args.prefill_concurrency,
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
+            api_key=args.api_key,
         )
         return PrefillEngine(settings, config)
     from pd_router.sim.decode import DecodeEngine
@@ -119,6 +128,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         max_model_len=args.max_model_len,
         slots=args.slots,
         standalone=args.standalone,
+        api_key=args.api_key,
     )
     return DecodeEngine(settings, config)
 
@@ -141,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_keep_alive=30,
         # Stop promptly on SIGTERM even with streams still open.
         timeout_graceful_shutdown=1,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     # uvicorn.Config has just configured logging; filters added now stay in place.
     logging.getLogger("uvicorn.error").addFilter(CrashLogFilter())

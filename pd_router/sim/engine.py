@@ -50,6 +50,8 @@ class Counters:
     # Prompt tokens prefilled, and those of them served from the prefix cache.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # /v1/ requests refused for their Authorization (--api-key).
+    unauthorized: int = 0
 
 
 @dataclass
@@ -141,6 +143,11 @@ class Engine:
         if scope["type"] != "http":
             return
         exchange = Exchange(scope, receive, send)
+        if not self._authorized(exchange):
+            # vLLM's own answer (its AuthenticationMiddleware), body and all.
+            self.counters.unauthorized += 1
+            await exchange.respond(401, {"error": "Unauthorized"})
+            return
         self.maintain()
         handler = self._routes.get((exchange.method, exchange.path))
         try:
@@ -153,6 +160,15 @@ class Engine:
         except ApiError as exc:
             if not exchange.started:
                 await exchange.respond_error(exc.status, exc.message, exc.param)
+
+    def _authorized(self, exchange: Exchange) -> bool:
+        """Every ``Authorization`` header of a /v1/ request must be the key (stricter than
+        vLLM, which reads the first): a second one, a client's, would be refused."""
+        key = self.settings.api_key
+        if key is None or not exchange.path.startswith("/v1/"):
+            return True
+        given = [value for name, value in exchange.scope["headers"] if name == b"authorization"]
+        return bool(given) and all(value == b"Bearer " + key.encode() for value in given)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
