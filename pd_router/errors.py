@@ -240,6 +240,8 @@ def engine_message(raw: bytes) -> str | None:
         error = parsed.get("error", parsed)
         if isinstance(error, dict) and isinstance(error.get("message"), str):
             return str(error["message"])
+        if isinstance(error, str):
+            return error  # vLLM's 401: {"error": "Unauthorized"}
         if isinstance(parsed.get("message"), str):
             return str(parsed["message"])
     return None

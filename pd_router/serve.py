@@ -26,6 +26,7 @@ from pd_router import config, workers
 from pd_router.app import MAX_BODY_BYTES, AppOptions, create_app
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery, Group
+from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.protocol import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
@@ -38,7 +39,6 @@ from pd_router.edge.protocol import (
     default_max_connections,
     protocol,
 )
-from pd_router.edge.keyfile import KeyFile
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls
 from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes

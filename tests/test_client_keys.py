@@ -121,8 +121,7 @@ def test_without_a_valid_key_every_v1_request_is_refused_before_anything(
         assert metrics["pd_router_slot_acquisitions_total"] == 0
         assert all(engine.stats()["requests"] == 0 for engine in fleet.engines)
         assert (
-            metrics["pd_router_requests_total{endpoint=completions,key=,outcome=unauthorized}"]
-            == 6
+            metrics["pd_router_requests_total{endpoint=completions,key=,outcome=unauthorized}"] == 6
         )
 
 
@@ -203,8 +202,10 @@ def test_the_file_is_read_again_when_a_mounted_secret_changes(
         assert _refused(router, DAVE)
         second = mount / "..v2"
         second.mkdir()
-        key_file(second / "keys", f"bob sha256:{hashlib.sha256(BOB.encode()).hexdigest()}\n"
-                 f"dave {DAVE}\n")
+        key_file(
+            second / "keys",
+            f"bob sha256:{hashlib.sha256(BOB.encode()).hexdigest()}\n" f"dave {DAVE}\n",
+        )
         (mount / "..data_tmp").symlink_to("..v2")
         os.replace(mount / "..data_tmp", mount / "..data")
         wait_for(lambda: not _refused(router, DAVE), timeout=20, what="the new key accepted")
@@ -215,9 +216,7 @@ def test_the_file_is_read_again_when_a_mounted_secret_changes(
         key_file(third / "keys", "dave\n")
         (mount / "..data_tmp").symlink_to("..v3")
         os.replace(mount / "..data_tmp", mount / "..data")
-        wait_for(
-            lambda: "keeping the last good keys" in router.log(), timeout=20, what="the error"
-        )
+        wait_for(lambda: "keeping the last good keys" in router.log(), timeout=20, what="the error")
         time.sleep(2.5)  # two more looks at the unchanged bad file
         assert complete(router, DAVE)
         assert router.log().count("keeping the last good keys") == 1
@@ -247,9 +246,10 @@ def test_with_state_a_keys_limit_is_the_fleets_and_heals_when_a_router_dies(
     flush_state(redis_url)
     fleet.reset()
     keys = key_file(tmp_path / "keys", KEYS)
-    with router_for(fleet, keys, "--state", redis_url) as first, router_for(
-        fleet, keys, "--state", redis_url
-    ) as second:
+    with (
+        router_for(fleet, keys, "--state", redis_url) as first,
+        router_for(fleet, keys, "--state", redis_url) as second,
+    ):
         holder = Holder(first, CAROL)
         holder.start()
         assert holder.started.wait(30)

@@ -28,6 +28,7 @@ from pd_router.engines.connection import (
     EngineConnection,
     ProtocolViolation,
     ReadTimeout,
+    TlsRefused,
 )
 from pd_router.errors import Evidence, UpstreamError, engine_message
 from pd_router.fleet.nodes import Failure
@@ -382,18 +383,21 @@ class Upstream:
         return self._tls
 
 
-def tls_failure(url: str, exc: ssl.SSLError) -> UpstreamError:
+def tls_failure(url: str, exc: ssl.SSLError | TlsRefused) -> UpstreamError:
     """A TLS handshake that failed, one way or the other: the engine's certificate not
     trusted (``--engine-ca``), or the router's refused or missing (``--engine-cert``).
     An operator's to fix, and nothing against the engine's health."""
-    reason = getattr(exc, "verify_message", None) or exc.reason or _describe(exc)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        reason = f"the engine's certificate is not trusted: {exc.verify_message}"
+    else:
+        reason = getattr(exc, "reason", None) or _describe(exc)
     message = f"{url}: TLS handshake failed: {reason} (see --engine-ca, --engine-cert)"
     return UpstreamError(message, kind="tls")
 
 
 def _failure(url: str, what: str, exc: BaseException) -> UpstreamError:
-    if isinstance(exc, ssl.SSLError):
-        # Raised by a read: TLS 1.3 refuses a client certificate after the handshake.
+    if isinstance(exc, ssl.SSLError | TlsRefused):
+        # After the handshake: TLS 1.3 refuses a client certificate only then.
         return tls_failure(url, exc)
     message = f"{url}: {what}: {_describe(exc)}"
     if isinstance(exc, TimeoutError):

@@ -35,6 +35,12 @@ class ReadTimeout(TimeoutError):
     pass
 
 
+class TlsRefused(ConnectionLost):
+    """A new TLS connection the engine closed before answering its first request: what a
+    server requiring a client certificate does when it got none it accepts (uvicorn, and
+    so vLLM, closes without a TLS alert the client could read)."""
+
+
 class ProtocolViolation(ValueError):
     """The engine's bytes are not HTTP/1.1."""
 
@@ -67,6 +73,9 @@ class EngineConnection(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self.error: BaseException | None = None
+        self._tls = False
+        # Some answer's head arrived on this connection: the engine took it.
+        self._answered = False
         # Set by the pool while the connection is idle in it: called if the peer closes.
         self.idle_since = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -77,6 +86,7 @@ class EngineConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        self._tls = transport.get_extra_info("ssl_object") is not None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Small SSE events must not wait for the peer's delayed ACK (Nagle).
@@ -100,6 +110,11 @@ class EngineConnection(asyncio.Protocol):
         if self.error is None and not self.complete:
             if isinstance(exc, ssl.SSLError):
                 self.error = exc  # the engine refused the router's TLS: said as such
+            elif self._tls and not self._answered and not self.head_done:
+                self.error = TlsRefused(
+                    "the engine closed a new TLS connection without answering: it requires "
+                    "a client certificate the router did not give, or does not accept it"
+                )
             else:
                 detail = f": {exc}" if exc is not None else ""
                 self.error = ConnectionLost(f"connection closed by the engine{detail}")
@@ -122,7 +137,7 @@ class EngineConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
-        self.head_done = True
+        self.head_done = self._answered = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:

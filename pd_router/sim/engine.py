@@ -278,6 +278,8 @@ class Engine:
 
     async def _health(self, exchange: Exchange) -> None:
         await anyio.sleep(self.config.health_delay)
+        if self.config.health_status is not None:
+            raise ApiError("health check refused", status=self.config.health_status)
         await exchange.respond(200, {"status": "ok"})
 
     async def _models(self, exchange: Exchange) -> None:
