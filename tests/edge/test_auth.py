@@ -38,7 +38,11 @@ def test_anything_but_a_listed_bearer_key_is_401(header: bytes | None) -> None:
     with pytest.raises(Unauthorized) as refused:
         keys.check(header)
     error = refused.value
-    assert (error.status, error.code, error.type) == (401, "invalid_api_key", "invalid_request_error")
+    assert (error.status, error.code, error.type) == (
+        401,
+        "invalid_api_key",
+        "invalid_request_error",
+    )
     assert ALICE not in error.message
 
 
