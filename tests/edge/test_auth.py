@@ -49,12 +49,12 @@ def test_anything_but_a_listed_bearer_key_is_401(header: bytes | None) -> None:
 @pytest.mark.parametrize(
     "text, message",
     [
-        (f"alice\n", "line 1: expected NAME KEY"),
-        (f"\n\nal ice {ALICE}\n", "line 3: "),
+        ("alice\n", "line 1: expected NAME KEY"),
+        (f"\n\nal ice {ALICE}\n", "line 3: unknown or repeated option"),
         (f"al/ice {ALICE}\n", "line 1: the name must be"),
         (f"alice {ALICE}\nalice sk-other\n", "line 2: the name 'alice' is given twice"),
         (f"alice {ALICE}\nbob {ALICE}\n", "line 2: key 'bob' is the same key"),
-        (f"alice sha256:abc\n", "line 1: sha256: must be followed by 64 hex digits"),
+        ("alice sha256:abc\n", "line 1: sha256: must be followed by 64 hex digits"),
         (f"alice {ALICE} max_in_flight=0\n", "line 1: max_in_flight must be"),
         (f"alice {ALICE} max_in_flight=x\n", "line 1: max_in_flight must be"),
         (f"alice {ALICE} burst=3\n", "line 1: unknown or repeated option"),
