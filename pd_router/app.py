@@ -162,17 +162,20 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         serving = set(fleet.serving_view())
         nodes = [node for node in fleet.nodes if node.id in serving]
         answers: list[Any] = [None] * len(nodes)
+        refused: list[UpstreamError] = []
 
-        async def ask(index: int, url: str) -> None:
+        async def ask(index: int, node: Node) -> None:
             try:
-                answers[index] = await router.upstream.get_json(url + "/v1/models")
-            except UpstreamError:
-                pass
+                answers[index] = await router.upstream.get_json(node.url + "/v1/models")
+            except UpstreamError as error:
+                if error.code == "engine_unauthorized":
+                    message = f"{node.role} engine {error.message}"
+                    refused.append(UpstreamError(message, status=error.status, code=error.code))
 
         with anyio.move_on_after(10):
             async with anyio.create_task_group() as tg:
                 for index, node in enumerate(nodes):
-                    tg.start_soon(ask, index, node.url)
+                    tg.start_soon(ask, index, node)
         seen: dict[str, Any] = {}
         for answer in answers:
             data = answer.get("data") if isinstance(answer, dict) else None
@@ -180,6 +183,9 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 if isinstance(model, dict) and isinstance(model.get("id"), str):
                     seen.setdefault(model["id"], model)
         if not seen:
+            if refused:
+                # The router's --engine-api-key is wrong: say so, not "no answer".
+                return error_response(refused[0])
             return error_response(UpstreamError("no engine answered /v1/models", status=503))
         return _json({"object": "list", "data": list(seen.values())})
 
