@@ -178,9 +178,11 @@ class UpstreamError(RouterError):
     already serves may be fine), and, saying nothing against the node: ``http_4xx`` (the
     request's fault), ``timeout`` (the request's own outcome, 504), ``stalled`` (the stall
     watch ended it), ``node_dead`` (another request found the engine dead) and
-    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's),
-    ``tls`` (the TLS handshake failed: the router's own certificates or trust, an operator's
-    fault, not the engine's health).
+    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's).
+    ``tls`` (a TLS handshake failed) is soft: an engine whose certificate is not trusted,
+    or which refuses the router's, is routed around once unhealthy, never made dead, so
+    that when every node fails so (the router's own settings are wrong) they all still
+    take requests and each client is told what failed, naming the engine.
     """
 
     type = "upstream_error"
@@ -222,6 +224,7 @@ _EVIDENCE = {
     "protocol": Evidence.HARD,
     "http_5xx": Evidence.SOFT,
     "connect_timeout": Evidence.SOFT,
+    "tls": Evidence.SOFT,
 }
 _OUTCOMES = {"timeout": "timeout", "stalled": "stalled", "node_dead": "node_dead"}
 

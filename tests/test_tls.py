@@ -223,10 +223,20 @@ def test_without_the_right_certificates_the_error_names_the_engine_and_tls(
                 error.message
             )
             assert reason in error.message.lower()
-        wait_for(lambda: "refuses the router's credentials" in router.log(), what="warning")
-        # The router's certificates are wrong, not the engine: it is neither dead nor unwell.
-        nodes = httpx.get(
-            f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}
-        ).json()["nodes"]
-        assert {n["state"] for n in nodes} == {"serving"}
+
+        # Soft evidence: unhealthy (routed around, were there another decode node), never
+        # dead, so that with no other node it still takes requests and each client is told
+        # what failed rather than "no live node".
+        def decode_state() -> str:
+            nodes = httpx.get(
+                f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).json()["nodes"]
+            return str(next(n["state"] for n in nodes if n["role"] == "decode"))
+
+        wait_for(lambda: decode_state() == "unhealthy", what="the decode node unhealthy")
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model="sim-model", prompt="still told", max_tokens=2)
+        assert "TLS handshake failed" in failed.value.message
+        assert decode_state() == "unhealthy"
+        assert "is dead" not in router.log()
         router.assert_idle()

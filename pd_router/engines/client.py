@@ -258,8 +258,7 @@ class Upstream:
         except UpstreamError as error:
             message = f"health check failed: {error.message}"
             if error.kind == "tls":
-                self._refused(url, error.message)
-                return None
+                return Failure("probe tls", message, Evidence.SOFT)
             if error.kind == "unreachable":
                 return Failure("probe refused", message, Evidence.HARD)
             if error.kind in ("broken_stream", "protocol"):
@@ -275,17 +274,16 @@ class Upstream:
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
 
     def _refused(self, url: str, message: str) -> None:
-        """A probe refused for the router's own credentials or trust (a 401 or 403, a TLS
-        handshake that failed) was answered by a server that is up: the engine's health is
-        not in question, the router's settings are. No verdict against the node (so its
-        requests fail with that engine's own error rather than "no live node"), and a
-        warning, once until the node answers 200 again."""
+        """A probe refused for the router's credentials (401 or 403: vLLM asks none for
+        /health, a proxy in front may) was answered by a server that is up: the engine's
+        health is not in question, ``--engine-api-key`` is. It counts as answered (so the
+        requests fail with that engine's own clear 401 rather than "no live node"), and is
+        said once, until the node answers 200 again."""
         if url not in self._refusing:
             self._refusing.add(url)
             log.warning(
-                "%s: the engine refuses the router's credentials or they do not match "
-                "(--engine-api-key, --engine-ca, --engine-cert); not counted against its "
-                "health: %s",
+                "%s: the engine refuses the router's credentials (--engine-api-key); not "
+                "counted against its health: %s",
                 url,
                 message,
             )
@@ -385,8 +383,7 @@ class Upstream:
 
 def tls_failure(url: str, exc: ssl.SSLError | TlsRefused) -> UpstreamError:
     """A TLS handshake that failed, one way or the other: the engine's certificate not
-    trusted (``--engine-ca``), or the router's refused or missing (``--engine-cert``).
-    An operator's to fix, and nothing against the engine's health."""
+    trusted (``--engine-ca``), or the router's refused or missing (``--engine-cert``)."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         reason = f"the engine's certificate is not trusted: {exc.verify_message}"
     else:
