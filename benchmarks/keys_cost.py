@@ -6,9 +6,9 @@
 1. The check alone (``edge/auth.py``: one SHA-256 and one dictionary lookup), timed with
    ``timeit`` against files of 1, 100 and 10,000 keys, and a per-key limit's count
    (``fleet/keys.py``, in-process).
-2. The same load through three routers in one run, on the same simulated engines (1
-   prefill, 2 instant decode): without a key file, with one, and with one whose key has a
-   ``max_in_flight``. Every client sends the same ``Authorization`` header to each. Load
+2. The same load through four routers in one run, on the same simulated engines (1
+   prefill, 2 instant decode): two without a key file (their difference is the run's
+   noise), one with a key file, and one with a file whose key has a ``max_in_flight``. Every client sends the same ``Authorization`` header to each. Load
    (streaming /v1/completions, 64 clients) alternates between the routers round by round,
    so the machine's noise falls on all alike. Prints router CPU ms per request; asserts
    nothing.
@@ -135,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             decode = [engine.url for engine in fleet.decode]
             flags = {
                 "no key file": [],
+                # The same router twice: the difference between the two is the run's noise.
+                "no key file, again": [],
                 "--api-keys-file (100 keys)": ["--api-keys-file", str(plain)],
                 "... and max_in_flight": ["--api-keys-file", str(limited)],
             }
