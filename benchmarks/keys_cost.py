@@ -8,9 +8,10 @@
    (``fleet/keys.py``, in-process).
 2. The same load through four routers in one run, on the same simulated engines (1
    prefill, 2 instant decode): two without a key file (their difference is the run's
-   noise), one with a key file, and one with a file whose key has a ``max_in_flight``. Every client sends the same ``Authorization`` header to each. Load
-   (streaming /v1/completions, 64 clients) alternates between the routers round by round,
-   so the machine's noise falls on all alike. Prints router CPU ms per request; asserts
+   noise), one with a key file, and one with a file whose key has a ``max_in_flight``.
+   Every client sends the same ``Authorization`` header to each. Load (streaming
+   /v1/completions, 64 clients) alternates between the routers round by round, so the
+   machine's noise falls on all alike. Prints router CPU ms per request; asserts
    nothing.
 """
 
