@@ -48,11 +48,10 @@ class Key:
 class Keys:
     """The keys of one version of the file."""
 
-    __slots__ = ("by_digest", "names")
+    __slots__ = ("by_digest",)
 
     def __init__(self, keys: list[Key]) -> None:
         self.by_digest = {key.digest: key for key in keys}
-        self.names = [key.name for key in keys]
 
     def __len__(self) -> int:
         return len(self.by_digest)
