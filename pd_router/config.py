@@ -17,7 +17,6 @@ Plain functions on plain data; the only I/O is reading the config file that was 
 from __future__ import annotations
 
 import argparse
-import difflib
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 from pd_router.discovery.rules import DnsSpec, dns_spec, parse_dns_spec
 from pd_router.fleet.nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
+from pd_router.parser import suggest
 
 ENV_PREFIX = "PD_ROUTER_"
 CONFIG_KEY = "config"
@@ -159,7 +159,7 @@ def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[
             continue
         option = by_name.get(name)
         if option is None:
-            raise ConfigError(f"unknown environment variable {name}{_hint(name, by_name)}")
+            raise ConfigError(f"unknown environment variable {name}{suggest(name, by_name)}")
         text = text.strip()
         if not text:
             continue
@@ -205,7 +205,9 @@ def from_file(
     for key, value in document.items():
         option = keys.get(key)
         if option is None:
-            raise ConfigError(f"{source}: unknown key {key!r}{_hint(key.replace('-', '_'), keys)}")
+            raise ConfigError(
+                f"{source}: unknown key {key!r}{suggest(key.replace('-', '_'), keys)}"
+            )
         where = f"{source}: {key}"
         role = option.dns
         if option.nodes:
@@ -355,11 +357,6 @@ def _file_name(item: object, role: Role, where: str) -> DnsSpec:
 
 
 # Messages
-
-
-def _hint(name: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _spellings(option: Option) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
+from pd_router.parser import Parser
 from pd_router.serve import (
     _positive,
     _seconds,
@@ -31,8 +32,8 @@ DEFAULTS = {"decode_slots": 4, "queue_timeout": 10.0}
 PREFILL_PER_TOKEN = 0.0005
 
 
-def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
-    parser = argparse.ArgumentParser(
+def demo_parser() -> tuple[Parser, list[argparse.Action]]:
+    parser = Parser(
         prog="pd-router demo",
         description="Run pd-router in front of simulated prefill and decode engines on "
         "127.0.0.1. It takes pd-router's flags (but starts its own engines), "
@@ -56,9 +57,7 @@ def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     return parser, actions
 
 
-def parse(
-    argv: Sequence[str], environ: Mapping[str, str]
-) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+def parse(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[Parser, argparse.Namespace]:
     parser, actions = demo_parser()
     args = parse_router_args(parser, actions, argv, environ)
     if args.prefill or args.decode or args.prefill_dns or args.decode_dns:
