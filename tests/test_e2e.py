@@ -295,3 +295,25 @@ def test_a_queued_request_is_served_when_the_slot_frees(sims: SimFleet) -> None:
 
 
 STREAM_40 = {"model": "sim-model", "prompt": "hold the slot", "max_tokens": 40, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/admin/nodes"), ("POST", "/admin/nodes/0/drain"), ("GET", "/admin")],
+)
+def test_the_admin_api_says_it_is_off_and_how_to_turn_it_on(
+    router: RouterProcess, method: str, path: str
+) -> None:
+    """This router has no --admin-token: the path is right, the API is off."""
+    response = httpx.request(method, router.url + path, headers={"authorization": "Bearer x"})
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": f"{method} {path}: the admin API is off; start pd-router with "
+            "--admin-token TOKEN (or PD_ROUTER_ADMIN_TOKEN, or admin_token in the config file) "
+            "to turn it on",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "admin_disabled",
+        }
+    }
