@@ -317,3 +317,66 @@ def test_the_admin_api_says_it_is_off_and_how_to_turn_it_on(
             "code": "admin_disabled",
         }
     }
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": "hi"},
+            "messages",
+            "'messages' must be a non-empty list of messages, got a string",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": []},
+            "messages",
+            "'messages' must be a non-empty list of messages, got an empty list",
+        ),
+        ("/v1/chat/completions", {"model": "sim-model"}, "messages", "'messages' is required"),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": [{"role": "user"}, {"content": "hi"}]},
+            "messages",
+            "'messages[1].role' is required",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": ["hi"]},
+            "messages",
+            "'messages[0]' must be an object, got a string",
+        ),
+        (
+            "/v1/completions",
+            {"model": 7, "prompt": "hi"},
+            "model",
+            "'model' must be a non-empty string, got 7",
+        ),
+        ("/v1/completions", {"prompt": "hi"}, "model", "'model' is required"),
+        (
+            "/v1/completions",
+            {"model": "sim-model", "prompt": None},
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token ids (integers) or a "
+            "list of such lists, got null",
+        ),
+        (
+            "/v1/completions",
+            {"model": "sim-model", "prompt": "hi", "max_tokens": "8"},
+            "max_tokens",
+            "'max_tokens' must be a positive integer, got a string",
+        ),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_told_so_not_that_it_is_missing(
+    router: RouterProcess, path: str, body: dict[str, object], param: str, message: str
+) -> None:
+    response = httpx.post(router.url + path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }
