@@ -59,6 +59,7 @@ def _number(text: str) -> float:
         return float("nan")  # fails every range check below
 
 
+@config.reads_number
 def _seconds(text: str) -> float:
     value = _number(text)
     if not value >= 0:
@@ -66,6 +67,7 @@ def _seconds(text: str) -> float:
     return value
 
 
+@config.reads_number
 def _timeout(text: str) -> float:
     """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
     value = _number(text)
@@ -74,6 +76,7 @@ def _timeout(text: str) -> float:
     return value
 
 
+@config.reads_number
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -84,6 +87,7 @@ def _positive(text: str) -> int:
     return value
 
 
+@config.reads_number
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -118,6 +122,7 @@ def _dns_server(text: str) -> tuple[str, int]:
     return host, number
 
 
+@config.reads_number
 def _port(text: str) -> int:
     try:
         value = int(text)
