@@ -320,6 +320,8 @@ def _shown(default: Any) -> str:
         return "on" if default else "off"
     if isinstance(default, float):
         return f"{default:g}"
+    if isinstance(default, list):
+        return " ".join(map(str, default))
     return str(default)
 
 
