@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv and not argv[0].startswith("-"):
         # The router itself takes flags only: a first word is a command, misspelt.
         hint = suggest(argv[0], COMMANDS) or f" (commands: {', '.join(COMMANDS)})"
-        parser.unknown(f"unknown command {argv[0]!r}{hint}")
+        parser.mistake(f"unknown command {argv[0]!r}{hint}")
     args = parse_router_args(parser, actions, argv, os.environ)
     try:
         router = build_router(args)

@@ -62,6 +62,10 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names its key and where it came from."""
 
 
+class MissingSettings(ConfigError):
+    """A required setting that no source gave."""
+
+
 @dataclass(frozen=True)
 class Option:
     """One flag, as every source spells it."""
@@ -137,7 +141,7 @@ def resolve(
     ]
     if absent:
         needed = ", ".join(_required(option, options) for option in absent)
-        raise ConfigError(f"the following settings are required: {needed}")
+        raise MissingSettings(f"the following settings are required: {needed}")
     return values
 
 

@@ -16,9 +16,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-    def unknown(self, message: str) -> NoReturn:
-        """A word the command does not know: which words it knows is in its ``--help``.
-        (A bad value needs no hint: its error says what the value may be.)"""
+    def mistake(self, message: str) -> NoReturn:
+        """A word the command does not know, or a setting it lacks: its ``--help`` lists
+        them. (A bad value needs no hint: its error says what the value may be.)"""
         self.error(f"{message}; see {self.prog} --help")
 
 
@@ -27,7 +27,7 @@ def parse(parser: Parser, argv: Sequence[str]) -> argparse.Namespace:
     args, extras = parser.parse_known_args(argv)
     if extras:
         flags = [flag for action in parser._actions for flag in action.option_strings]
-        parser.unknown(f"unrecognized arguments: {' '.join(extras)}{suggest(extras[0], flags)}")
+        parser.mistake(f"unrecognized arguments: {' '.join(extras)}{suggest(extras[0], flags)}")
     return args
 
 

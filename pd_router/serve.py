@@ -304,6 +304,8 @@ def parse_router_args(
     given = vars(parse(parser, argv))
     try:
         args = argparse.Namespace(**config.resolve(options, given, environ))
+    except config.MissingSettings as exc:
+        parser.mistake(str(exc))
     except config.ConfigError as exc:
         parser.error(str(exc))
     if args.workers > 1 and args.state is None:

@@ -188,6 +188,14 @@ def test_a_bad_value_is_one_line_and_exit_2(
             "see pd-router --help",
         ),
         (
+            [],
+            "pd-router: error: the following settings are required: --prefill (or "
+            "PD_ROUTER_PREFILL, or prefill in the config file) or --prefill-dns (or "
+            "PD_ROUTER_PREFILL_DNS, or prefill_dns in the config file), --decode (or "
+            "PD_ROUTER_DECODE, or decode in the config file) or --decode-dns (or "
+            "PD_ROUTER_DECODE_DNS, or decode_dns in the config file); see pd-router --help",
+        ),
+        (
             ["serve", *ENGINES],
             "pd-router: error: unknown command 'serve' (commands: demo, status); "
             "see pd-router --help",
