@@ -8,14 +8,14 @@ Every flag has the same three other spellings, derived from its argparse dest:
 
 Values from the environment and the file go through the flag's own type function, so a bad
 value is refused with the same words as on the command line, but naming where it came from.
+Unknown keys and unknown ``PD_ROUTER_*`` variables are refused too: a misspelt setting that
+is silently ignored is worse than a router that does not start.
 
 One rule for types. An environment variable is text, read as the command line reads it; a
 list's items are separated by whitespace. A TOML value has the setting's type: a number for
 a flag whose type function is marked ``reads_number`` (a string ``"5"`` is refused, as ``5``
 would be for a string setting), a string for any other, true or false for a switch; a list
 takes an array, or one item alone as an array of one (``prefill = "http://p0:8100"``).
-Unknown keys and unknown ``PD_ROUTER_*`` variables are refused too: a misspelt setting that
-is silently ignored is worse than a router that does not start.
 
 Plain functions on plain data; the only I/O is reading the config file that was named.
 """
@@ -246,7 +246,8 @@ def from_file(
         elif role is not None:
             values[key] = _file_names(value, role, where)
         elif option.many:
-            items = _one_or_array(value, where, "a string", (str,))
+            kind = "a number" if option.number else "a string"
+            items = _one_or_array(value, where, kind, (int, float) if option.number else (str,))
             values[key] = [
                 _convert(option, _scalar(option, item, f"{where}[{index}]"), f"{where}[{index}]")
                 for index, item in enumerate(items)
