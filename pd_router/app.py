@@ -33,7 +33,14 @@ from pd_router.engines.watch import (
     watch_models,
     watch_stalls,
 )
-from pd_router.errors import NoRoute, PayloadTooLarge, RouterError, ShuttingDown, UpstreamError
+from pd_router.errors import (
+    AdminDisabled,
+    NoRoute,
+    PayloadTooLarge,
+    RouterError,
+    ShuttingDown,
+    UpstreamError,
+)
 from pd_router.fleet.membership import LocalMembership, Membership
 from pd_router.fleet.nodes import Node
 from pd_router.ops.lag import LoopLag
@@ -229,6 +236,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
             raise exc
         status = exc.status_code
         method, path = request.method, request.url.path
+        if status == 404 and not options.admin_token and path.split("/")[1] == "admin":
+            return error_response(AdminDisabled(f"{method} {path}"))
         if status == 405:
             message = f"{method} is not allowed on {path}"
         else:
