@@ -36,6 +36,7 @@ from pd_router.engines.watch import (
     watch_stalls,
 )
 from pd_router.errors import (
+    AdminDisabled,
     NoRoute,
     PayloadTooLarge,
     RouterError,
@@ -276,6 +277,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
             raise exc
         status = exc.status_code
         method, path = request.method, request.url.path
+        if status == 404 and not options.admin_token and path.split("/")[1] == "admin":
+            return error_response(AdminDisabled(f"{method} {path}"))
         if status == 405:
             message = f"{method} is not allowed on {path}"
         else:

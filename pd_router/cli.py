@@ -9,7 +9,10 @@ import sys
 from collections.abc import Sequence
 
 from pd_router import demo, status
+from pd_router.parser import suggest
 from pd_router.serve import build_router, listen, parse_router_args, router_parser, serve
+
+COMMANDS = ("demo", "status")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -20,6 +23,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["status"]:
         raise SystemExit(status.main(argv[1:], os.environ))
     parser, actions = router_parser()
+    if argv and not argv[0].startswith("-"):
+        # The router itself takes flags only: a first word is a command, misspelt.
+        hint = suggest(argv[0], COMMANDS) or f" (commands: {', '.join(COMMANDS)})"
+        parser.mistake(f"unknown command {argv[0]!r}{hint}")
     args = parse_router_args(parser, actions, argv, os.environ)
     try:
         router = build_router(args)

@@ -11,20 +11,27 @@ value is refused with the same words as on the command line, but naming where it
 Unknown keys and unknown ``PD_ROUTER_*`` variables are refused too: a misspelt setting that
 is silently ignored is worse than a router that does not start.
 
+One rule for types. An environment variable is text, read as the command line reads it; a
+list's items are separated by whitespace. A TOML value has the setting's type: a number for
+a flag whose type function is marked ``reads_number`` (a string ``"5"`` is refused, as ``5``
+would be for a string setting), a string for any other, true or false for a switch; a list
+takes an array, or one item alone as an array of one (``prefill = "http://p0:8100"``).
+
 Plain functions on plain data; the only I/O is reading the config file that was named.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
+import json
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pd_router.discovery.rules import DnsSpec, dns_spec, parse_dns_spec
 from pd_router.fleet.nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
+from pd_router.parser import suggest
 
 ENV_PREFIX = "PD_ROUTER_"
 CONFIG_KEY = "config"
@@ -34,13 +41,29 @@ NODE_TABLE_KEYS = ("url", "slots", "labels")
 DNS_KEYS = ("prefill_dns", "decode_dns")
 DNS_TABLE_KEYS = ("name", "port", "slots", "labels")
 
+# The flags' type functions that read a number (``reads_number``).
+_NUMBERS: set[Callable[[str], Any]] = {int, float}
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _TYPE_WORDS: dict[Any, str] = {int: "a whole number", float: "a number"}
 
 
+C = TypeVar("C", bound=Callable[[str], Any])
+
+
+def reads_number(convert: C) -> C:
+    """Mark a flag's type function as reading a number: in a TOML file, its value is one."""
+    _NUMBERS.add(convert)
+    return convert
+
+
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names its key and where it came from."""
+
+
+class MissingSettings(ConfigError):
+    """A required setting that no source gave."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,11 @@ class Option:
     choices: tuple[str, ...] | None = None
     switch: bool = False  # on/off, no value on the command line
     required: bool = False
+    many: bool = False  # a list: the flag takes several values, or is given several times
+
+    @property
+    def number(self) -> bool:
+        return self.convert in _NUMBERS
 
     @property
     def env(self) -> str:
@@ -87,6 +115,7 @@ def options_of(actions: Iterable[argparse.Action]) -> dict[str, Option]:
             choices=choices,
             switch=action.nargs == 0,
             required=action.required,
+            many=action.nargs == "+",
         )
     return options
 
@@ -112,7 +141,7 @@ def resolve(
     ]
     if absent:
         needed = ", ".join(_required(option, options) for option in absent)
-        raise ConfigError(f"the following settings are required: {needed}")
+        raise MissingSettings(f"the following settings are required: {needed}")
     return values
 
 
@@ -159,7 +188,7 @@ def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[
             continue
         option = by_name.get(name)
         if option is None:
-            raise ConfigError(f"unknown environment variable {name}{_hint(name, by_name)}")
+            raise ConfigError(f"unknown environment variable {name}{suggest(name, by_name)}")
         text = text.strip()
         if not text:
             continue
@@ -168,6 +197,8 @@ def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[
             values[option.key] = [_env_node(item, name) for item in text.split()]
         elif role is not None:
             values[option.key] = [_dns_string(item, role, name) for item in text.split()]
+        elif option.many:
+            values[option.key] = [_convert(option, item, name) for item in text.split()]
         elif option.switch:
             values[option.key] = _switch(text, name)
         else:
@@ -205,16 +236,25 @@ def from_file(
     for key, value in document.items():
         option = keys.get(key)
         if option is None:
-            raise ConfigError(f"{source}: unknown key {key!r}{_hint(key.replace('-', '_'), keys)}")
+            raise ConfigError(
+                f"{source}: unknown key {key!r}{suggest(key.replace('-', '_'), keys)}"
+            )
         where = f"{source}: {key}"
         role = option.dns
         if option.nodes:
             values[key] = _file_nodes(value, where)
         elif role is not None:
             values[key] = _file_names(value, role, where)
+        elif option.many:
+            kind = "a number" if option.number else "a string"
+            items = _one_or_array(value, where, kind, (int, float) if option.number else (str,))
+            values[key] = [
+                _convert(option, _scalar(option, item, f"{where}[{index}]"), f"{where}[{index}]")
+                for index, item in enumerate(items)
+            ]
         elif option.switch:
             if not isinstance(value, bool):
-                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+                raise ConfigError(f"{where}: expected true or false, got {_spelled(value)}")
             values[key] = value
         else:
             values[key] = _convert(option, _scalar(option, value, where), where)
@@ -241,11 +281,37 @@ def _convert(option: Option, text: str, where: str) -> Any:
 
 
 def _scalar(option: Option, value: object, where: str) -> str:
-    """A TOML value as the text a flag would have had: numbers and strings only."""
-    if option.convert is str and not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ConfigError(f"{where}: expected a number or a string, got {value!r}")
+    """A TOML value of the option's type, as the text a flag would have had."""
+    if option.number:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {_spelled(value)}")
+        return str(value)  # the type function checks its range (and that it is whole)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {_spelled(value)}")
+    return value
+
+
+def _one_or_array(value: object, where: str, what: str, single: tuple[type, ...]) -> list[Any]:
+    """A list setting's items: an array of them, or one alone."""
+    if isinstance(value, single):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(
+            f"{where}: expected {what}, or a non-empty array of them, got {_spelled(value)}"
+        )
+    return value
+
+
+def _spelled(value: object) -> str:
+    """A TOML value as the file spells it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "an empty array" if not value else "an array"
+    if isinstance(value, dict):
+        return "a table"
     return str(value)
 
 
@@ -278,12 +344,9 @@ def _env_node(item: str, where: str) -> NodeSpec:
 
 
 def _file_nodes(value: object, where: str) -> list[NodeSpec]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(
-            f"{where}: expected a non-empty array of URLs or of tables "
-            f"({{ url = ..., slots = N, labels = {{ ... }} }}), got {value!r}"
-        )
-    return [_file_node(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    what = "a URL or a table ({ url = ..., slots = N, labels = { ... } })"
+    items = _one_or_array(value, where, what, (str, dict))
+    return [_file_node(item, f"{where}[{index}]") for index, item in enumerate(items)]
 
 
 def _file_node(item: object, where: str) -> NodeSpec:
@@ -325,12 +388,9 @@ def _dns_string(spec: str, role: Role, where: str) -> DnsSpec:
 
 
 def _file_names(value: object, role: Role, where: str) -> list[DnsSpec]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(
-            f"{where}: expected a non-empty array of NAME:PORT strings or of tables "
-            f"({{ name = ..., port = N, slots = N, labels = {{ ... }} }}), got {value!r}"
-        )
-    return [_file_name(item, role, f"{where}[{index}]") for index, item in enumerate(value)]
+    what = "NAME:PORT or a table ({ name = ..., port = N, slots = N, labels = { ... } })"
+    items = _one_or_array(value, where, what, (str, dict))
+    return [_file_name(item, role, f"{where}[{index}]") for index, item in enumerate(items)]
 
 
 def _file_name(item: object, role: Role, where: str) -> DnsSpec:
@@ -355,11 +415,6 @@ def _file_name(item: object, role: Role, where: str) -> DnsSpec:
 
 
 # Messages
-
-
-def _hint(name: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _spellings(option: Option) -> str:

@@ -1,9 +1,10 @@
 """``pd-router demo``: the router in front of simulated engines on loopback, no GPU needed.
 
-``--prefill-nodes`` prefill and ``--decode-nodes`` decode engines (``pd_router.sim``) start
-as their own processes on free 127.0.0.1 ports; the router serves in this process and the
-engines are stopped, by PID, when it exits. Settings come from the same sources as ``pd-router``'s
-(``serve.parse_router_args``), over the demo's own defaults.
+``--prefill-nodes`` prefill and ``--decode-nodes`` decode engines (``pd_router.sim``) for
+each of ``--models`` start as their own processes on free 127.0.0.1 ports; the router
+serves in this process and the engines are stopped, by PID, when it exits. Settings come
+from the same sources as ``pd-router``'s (``serve.parse_router_args``), over the demo's own
+defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
+from pd_router.parser import Parser
 from pd_router.serve import (
     _positive,
     _seconds,
@@ -29,10 +31,21 @@ DEFAULTS = {"decode_slots": 4, "queue_timeout": 10.0}
 # which the prefix policy sends where the earlier ones are cached, come back sooner
 # (a 1,000-word prompt takes 0.5 s cold) and report their ``cached_tokens``.
 PREFILL_PER_TOKEN = 0.0005
+MODEL = "sim-model"
 
 
-def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
-    parser = argparse.ArgumentParser(
+def _model(text: str) -> str:
+    name = text.strip()
+    if not name or any(char.isspace() or char == "," for char in name):
+        raise argparse.ArgumentTypeError(
+            f"expected a model name, without spaces or commas (several: --models alpha beta), "
+            f"got {text!r}"
+        )
+    return name
+
+
+def demo_parser() -> tuple[Parser, list[argparse.Action]]:
+    parser = Parser(
         prog="pd-router demo",
         description="Run pd-router in front of simulated prefill and decode engines on "
         "127.0.0.1. It takes pd-router's flags (but starts its own engines), "
@@ -44,9 +57,20 @@ def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     # the namespace as if given on the command line, above the environment and the file.
     for action in actions:
         action.default = DEFAULTS.get(action.dest, action.default)
+    actions.append(
+        parser.add_argument(
+            "--models",
+            action="extend",
+            nargs="+",
+            type=_model,
+            default=[MODEL],
+            metavar="NAME",
+            help="models to serve, each on its own --prefill-nodes and --decode-nodes engines",
+        )
+    )
     for flag, kind, default, metavar, text in [
-        ("--prefill-nodes", _positive, 2, "N", "simulated prefill engines"),
-        ("--decode-nodes", _positive, 2, "N", "simulated decode engines"),
+        ("--prefill-nodes", _positive, 2, "N", "simulated prefill engines per model"),
+        ("--decode-nodes", _positive, 2, "N", "simulated decode engines per model"),
         ("--ttft", _seconds, 0.05, "SECONDS", "simulated time to first token"),
         ("--itl", _seconds, 0.02, "SECONDS", "simulated time between tokens"),
     ]:
@@ -56,9 +80,7 @@ def demo_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     return parser, actions
 
 
-def parse(
-    argv: Sequence[str], environ: Mapping[str, str]
-) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+def parse(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[Parser, argparse.Namespace]:
     parser, actions = demo_parser()
     args = parse_router_args(parser, actions, argv, environ)
     if args.prefill or args.decode or args.prefill_dns or args.decode_dns:
@@ -67,27 +89,43 @@ def parse(
             "PD_ROUTER_DECODE, prefill and decode in the config file) do not apply, nor do "
             "--prefill-dns and --decode-dns"
         )
+    twice = [model for index, model in enumerate(args.models) if model in args.models[:index]]
+    if twice:
+        parser.error(f"--models: {twice[0]!r} is named twice")
     return parser, args
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     parser, args = parse(argv, environ)
     sock = listen(parser, args)
-    decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl)]
+    # --name-prefill: each answer starts with the prefill engine whose KV it pulled.
+    decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl), "--name-prefill"]
     prefill_args = ["--prefill-per-token", str(PREFILL_PER_TOKEN)]
     with SimFleet(
         prefill=args.prefill_nodes,
         decode=args.decode_nodes,
         prefill_args=prefill_args,
         decode_args=decode_args,
+        models=args.models,
     ) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]
         print(
-            f"pd-router demo: prefill {' '.join(args.prefill)}, decode {' '.join(args.decode)}; "
+            f"pd-router demo: {_engines(args.models, args.prefill, args.decode)}; "
             f"try: curl http://{address(args.host, args.port)}/v1/completions "
             '-H "Content-Type: application/json" '
-            """-d '{"model": "sim-model", "prompt": "hello pd router", "max_tokens": 8}'""",
+            f"""-d '{{"model": "{args.models[0]}", "prompt": "hello pd router", """
+            """"max_tokens": 8}'""",
             flush=True,
         )
         serve(args, build_router(args), sock)
+
+
+def _engines(models: list[str], prefill: list[str], decode: list[str]) -> str:
+    """Each model's engines, as the fleet lists them: grouped by model, in order."""
+    p, d = len(prefill) // len(models), len(decode) // len(models)
+    return "; ".join(
+        f"{model}: prefill {' '.join(prefill[i * p : (i + 1) * p])}, "
+        f"decode {' '.join(decode[i * d : (i + 1) * d])}"
+        for i, model in enumerate(models)
+    )

@@ -107,6 +107,20 @@ class NoRoute(BadRequest):
         self.code = "method_not_allowed" if status == 405 else "not_found"
 
 
+class AdminDisabled(BadRequest):
+    """``/admin/*`` on a router started without ``--admin-token``: the path is right, the
+    API is off (404, as if it were not there: it exposes nothing)."""
+
+    status = 404
+    code = "admin_disabled"
+
+    def __init__(self, route: str) -> None:
+        super().__init__(
+            f"{route}: the admin API is off; start pd-router with --admin-token TOKEN (or "
+            "PD_ROUTER_ADMIN_TOKEN, or admin_token in the config file) to turn it on"
+        )
+
+
 class ModelNotFound(BadRequest):
     """A ``model`` no prefill or no decode node serves (OpenAI's own answer to an unknown
     model is this 404)."""

@@ -17,6 +17,7 @@ import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from importlib import metadata
 from types import FrameType
 from typing import Any
 
@@ -46,6 +47,7 @@ from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
 from pd_router.ops import logs
+from pd_router.parser import Parser, parse
 from pd_router.relay import Router, Settings
 from pd_router.shared.keys import SharedKeyLimits
 from pd_router.shared.pool import SharedPool
@@ -61,6 +63,7 @@ def _number(text: str) -> float:
         return float("nan")  # fails every range check below
 
 
+@config.reads_number
 def _seconds(text: str) -> float:
     value = _number(text)
     if not value >= 0:
@@ -68,6 +71,7 @@ def _seconds(text: str) -> float:
     return value
 
 
+@config.reads_number
 def _timeout(text: str) -> float:
     """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
     value = _number(text)
@@ -76,6 +80,7 @@ def _timeout(text: str) -> float:
     return value
 
 
+@config.reads_number
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -86,6 +91,7 @@ def _positive(text: str) -> int:
     return value
 
 
+@config.reads_number
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -120,6 +126,7 @@ def _dns_server(text: str) -> tuple[str, int]:
     return host, number
 
 
+@config.reads_number
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -296,7 +303,7 @@ def add_router_flags(
 
 
 def parse_router_args(
-    parser: argparse.ArgumentParser,
+    parser: Parser,
     actions: Sequence[argparse.Action],
     argv: Sequence[str],
     environ: Mapping[str, str],
@@ -312,9 +319,11 @@ def parse_router_args(
             action.help = f"{action.help} (default: {_shown(action.default)})"
         action.default = argparse.SUPPRESS
         action.required = False
-    given = vars(parser.parse_args(argv))
+    given = vars(parse(parser, argv))
     try:
         args = argparse.Namespace(**config.resolve(options, given, environ))
+    except config.MissingSettings as exc:
+        parser.mistake(str(exc))
     except config.ConfigError as exc:
         parser.error(str(exc))
     if args.workers > 1 and args.state is None:
@@ -331,6 +340,8 @@ def _shown(default: Any) -> str:
         return "on" if default else "off"
     if isinstance(default, float):
         return f"{default:g}"
+    if isinstance(default, list):
+        return " ".join(map(str, default))
     return str(default)
 
 
@@ -526,10 +537,17 @@ def _settle_heap() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
-def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+# The commands, not argparse's list of every flag (21 lines): --help lists those.
+USAGE = """%(prog)s --prefill URL ... --decode URL ... [options]
+       %(prog)s demo [options]
+       %(prog)s status [options]"""
+
+
+def router_parser() -> tuple[Parser, list[argparse.Action]]:
     """``pd-router``'s own parser, and the actions that other sources can set."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pd-router",
+        usage=USAGE,
         description="One OpenAI-compatible endpoint in front of prefill and decode engines. "
         "Every flag can also be set as PD_ROUTER_<FLAG> (e.g. PD_ROUTER_QUEUE_TIMEOUT) or in "
         "a TOML file (queue_timeout = 30); the command line wins, then the environment, "
@@ -537,4 +555,12 @@ def router_parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
         "`pd-router demo` runs the router in front of simulated engines on loopback; "
         "`pd-router status` shows a running router's nodes.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return parser, add_router_flags(parser)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pd-router")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"

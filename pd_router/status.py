@@ -9,7 +9,6 @@ functions.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import urllib.error
 import urllib.request
@@ -22,6 +21,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.config import ENV_PREFIX
+from pd_router.parser import Parser, parse
 
 # The router's own variable for --admin-token, so one export serves both.
 ADMIN_ENV = ENV_PREFIX + "ADMIN_TOKEN"
@@ -218,7 +218,7 @@ def snapshot(router: str, token: str | None, timeout: float) -> tuple[Snapshot, 
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pd-router status", description="Show a running pd-router's nodes and queue."
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
@@ -229,7 +229,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         help=f"use /admin/nodes (labels, requests per node); default ${ADMIN_ENV}",
     )
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     router = args.url.rstrip("/")
     parts = urlsplit(router)
     if parts.scheme not in ("http", "https") or not parts.netloc:

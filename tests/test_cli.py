@@ -19,13 +19,20 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 
+import openai
 import pytest
 
+from pd_router.config import options_of
 from pd_router.demo import demo_parser, parse
-from pd_router.serve import _dns_server, parse_router_args, router_parser
+from pd_router.serve import parse_router_args, router_parser
+from pd_router.sim.fleet import free_port
 from pd_router.status import format_table, from_admin, from_metrics
+from tests.helpers import wait_for
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.
 ENGINES = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
@@ -49,13 +56,12 @@ def run(*argv: str, env: Mapping[str, str] = {}) -> subprocess.CompletedProcess[
 
 
 def refusal(done: subprocess.CompletedProcess[str]) -> str:
-    """The one error line of a start refused with exit 2; before it only argparse's usage."""
+    """The one line of a start refused with exit 2, without argparse's usage."""
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr, done.stderr
-    *usage, last = done.stderr.splitlines()
-    assert ": error: " in last, done.stderr
-    assert all(line.startswith(("usage: ", " ")) for line in usage), done.stderr
-    return last
+    [line] = done.stderr.splitlines()
+    assert ": error: " in line, done.stderr
+    return line
 
 
 def listening(family: socket.AddressFamily, host: str) -> socket.socket:
@@ -125,6 +131,17 @@ def marked(mark: str) -> list[int]:
             "pd-router demo: error: PD_ROUTER_DECODE_NODES: must be a whole number >= 1",
         ),
         (
+            ["demo", "--models", "alpha,beta"],
+            {},
+            "pd-router demo: error: argument --models: expected a model name, without spaces "
+            "or commas (several: --models alpha beta), got 'alpha,beta'",
+        ),
+        (
+            ["demo", "--models", "alpha", "beta", "alpha"],
+            {},
+            "pd-router demo: error: --models: 'alpha' is named twice",
+        ),
+        (
             ["demo", "--prefill", "http://127.0.0.1:9"],
             {},
             "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
@@ -148,6 +165,60 @@ def test_a_bad_value_is_one_line_and_exit_2(
     assert refusal(run(*argv, env=env)).startswith(expected)
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            [*ENGINES, "--queue-timout", "5"],
+            "pd-router: error: unrecognized arguments: --queue-timout 5 "
+            "(did you mean --queue-timeout?); see pd-router --help",
+        ),
+        (
+            ["demo", "--bogus"],
+            "pd-router demo: error: unrecognized arguments: --bogus; see pd-router demo --help",
+        ),
+        (
+            ["status", "--bogus"],
+            "pd-router status: error: unrecognized arguments: --bogus; "
+            "see pd-router status --help",
+        ),
+        (
+            ["statsu"],
+            "pd-router: error: unknown command 'statsu' (did you mean status?); "
+            "see pd-router --help",
+        ),
+        (
+            [],
+            "pd-router: error: the following settings are required: --prefill (or "
+            "PD_ROUTER_PREFILL, or prefill in the config file) or --prefill-dns (or "
+            "PD_ROUTER_PREFILL_DNS, or prefill_dns in the config file), --decode (or "
+            "PD_ROUTER_DECODE, or decode in the config file) or --decode-dns (or "
+            "PD_ROUTER_DECODE_DNS, or decode_dns in the config file); see pd-router --help",
+        ),
+        (
+            ["serve", *ENGINES],
+            "pd-router: error: unknown command 'serve' (commands: demo, status); "
+            "see pd-router --help",
+        ),
+    ],
+)
+def test_a_mistake_on_the_command_line_is_one_line_with_a_hint(
+    argv: list[str], expected: str
+) -> None:
+    assert refusal(run(*argv)) == expected
+
+
+def test_version_and_usage_name_the_commands() -> None:
+    done = run("--version")
+    assert (done.returncode, done.stdout) == (0, f"pd-router {metadata.version('pd-router')}\n")
+    usage = run("--help").stdout.split("\n\n")[0]
+    assert usage.splitlines() == [
+        "usage: pd-router --prefill URL ... --decode URL ... [options]",
+        "       pd-router demo [options]",
+        "       pd-router status [options]",
+    ]
+
+
 def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "demo.toml"
     path.write_text("port = 70000\n")
@@ -156,10 +227,9 @@ def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None
 
 
 def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
-    for action in actions:
-        # --dns-server's address is not a number: its own refusal is tested in test_config.
-        if action.type is not None and action.type not in (str, _dns_server):
-            yield action.option_strings[0]
+    for option in options_of(actions).values():
+        if option.number:
+            yield option.flag
 
 
 @pytest.mark.parametrize("command", ["pd-router", "pd-router demo"])
@@ -334,6 +404,154 @@ def test_the_demos_defaults_are_under_every_source(tmp_path: Path) -> None:
     assert (args.decode_slots, args.queue_timeout) == (5, 0.0)
 
 
+def test_the_demos_models_from_every_source(tmp_path: Path) -> None:
+    assert parse([], {})[1].models == ["sim-model"]
+    path = tmp_path / "demo.toml"
+    path.write_text('models = "alpha"\n')  # one model alone, as an array of one
+    config = ["--config", str(path)]
+    assert parse(config, {})[1].models == ["alpha"]
+    assert parse(config, {"PD_ROUTER_MODELS": " beta\tgamma "})[1].models == ["beta", "gamma"]
+    environment = {"PD_ROUTER_MODELS": "beta gamma"}
+    assert parse([*config, "--models", "x", "--models", "y"], environment)[1].models == ["x", "y"]
+
+
+def admin_nodes(url: str, token: str) -> list[dict[str, object]]:
+    request = urllib.request.Request(
+        url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:  # nosec B310
+        nodes: list[dict[str, object]] = json.loads(response.read())["nodes"]
+        return nodes
+
+
+def wait_models_read(url: str, token: str, count: int) -> None:
+    """Until the router has read what each of its ``count`` nodes serves (until then a
+    node is taken to serve every model)."""
+
+    def read() -> bool:
+        nodes = admin_nodes(url, token)
+        return len(nodes) == count and all(node["models"] is not None for node in nodes)
+
+    wait_for(read, timeout=30, what="every node's models read")
+
+
+def test_the_demo_serves_each_model_on_its_own_engines_and_names_the_prefill() -> None:
+    mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
+    argv = ["demo", "--port", "0", "--models", "alpha", "beta", "--admin-token", "t"]
+    argv += ["--prefill-nodes", "1", "--decode-nodes", "1", "--ttft", "0", "--itl", "0"]
+    demo = Running(argv, {"CLI_TEST_MARK": mark})
+    try:
+        banner = demo.wait_for(
+            "stdout",
+            r"alpha: prefill http://(\S+), decode http://\S+; beta: prefill http://(\S+), "
+            r"decode http://\S+; try: curl (http://127\.0\.0\.1:\d+)/v1/completions",
+        )
+        prefill = {"alpha": banner[1].decode(), "beta": banner[2].decode()}
+        url = banner[3].decode()
+        wait_models_read(url, "t", 4)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for model in ("alpha", "beta", "alpha"):
+            answer = client.completions.create(model=model, prompt="hello demo", max_tokens=3)
+            assert answer.model == model
+            assert answer.choices[0].text == f"[prefill {prefill[model]}] hello demo hello"
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == f"[prefill {prefill[model]}] user: hi"
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="gamma", prompt="hello", max_tokens=1)
+        assert "served: alpha, beta" in caught.value.message
+    finally:
+        assert demo.stop() == 0
+    assert marked(mark) == [], "simulated engines left running"
+
+
+def readme_recipe() -> list[str]:
+    """The commands of README's 'Simulated engines by hand', one a line."""
+    text = README.read_text()
+    block = text.split("<!-- sim-recipe:", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()
+
+
+def test_the_readmes_two_model_recipe_works(tmp_path: Path) -> None:
+    """Its commands, run as written except for free ports instead of 8000-8201, and an admin
+    token (added) to see when the router has read each engine's model."""
+    commands = readme_recipe()
+    ports = {
+        port: str(free_port())
+        for port in sorted(set(re.findall(r"\b8[0-2]0[01]\b", "\n".join(commands))))
+    }
+    assert len(commands) == 5 and len(ports) == 5
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for index, command in enumerate(commands):
+            argv = re.sub(r"\b8[0-2]0[01]\b", lambda found: ports[found[0]], command).split()
+            program = {"python": [sys.executable], "pd-router": [sys.executable, "-m", "pd_router"]}
+            argv = [*program[argv[0]], *argv[1:]]
+            if "pd_router.sim" not in argv:
+                argv += ["--admin-token", "t"]
+            with open(tmp_path / f"{index}.log", "wb") as log:
+                processes.append(
+                    subprocess.Popen(  # nosec B603
+                        argv, stdout=log, stderr=subprocess.STDOUT, env=environment()
+                    )
+                )
+        url = f"http://127.0.0.1:{ports['8000']}"
+
+        def up() -> bool:
+            assert all(process.poll() is None for process in processes), [
+                (tmp_path / f"{index}.log").read_text() for index in range(len(processes))
+            ]
+            try:
+                return get(url + "/health") is not None
+            except OSError:
+                return False
+
+        wait_for(up, timeout=60, what="the recipe's router healthy")
+        wait_models_read(url, "t", 4)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for model in ("alpha", "beta"):
+            answer = client.completions.create(model=model, prompt=f"hello {model}", max_tokens=4)
+            assert (answer.model, answer.choices[0].text) == (
+                model,
+                f" hello {model} hello {model}",
+            )
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_sim_option_says_what_it_does_and_its_default(role: str) -> None:
+    done = subprocess.run(  # nosec B603
+        [sys.executable, "-m", "pd_router.sim", role, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=environment({"COLUMNS": "100"}),
+    )
+    assert done.returncode == 0, done.stderr
+    entries: dict[str, str] = {}
+    for block in re.split(r"\n(?=  -)", done.stdout.split("options:\n", 1)[1]):
+        invocation, _, text = block.strip().partition("  ")
+        entries[invocation.strip()] = " ".join(text.split())
+    assert entries["--port PORT"] == "port to listen on (required)"
+    assert entries["--model NAME"].endswith("(default: sim-model)")
+    undocumented = [
+        invocation
+        for invocation, text in entries.items()
+        if invocation not in ("-h, --help", "--port PORT") and "(default: " not in text
+    ]
+    assert len(entries) >= 9 and undocumented == []
+
+
 def test_the_demo_refuses_engines_from_its_config_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -364,7 +582,7 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--read-timeout SECONDS"].endswith("(default: 600)")
     assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
-    unset = {"-h, --help", "--admin-token TOKEN", "--config FILE", "--state URL"}
+    unset = {"-h, --help", "--version", "--admin-token TOKEN", "--config FILE", "--state URL"}
     unset |= {"--dns-server HOST:PORT", "--api-keys-file FILE", "--engine-api-key KEY"}
     unset |= {"--ssl-certfile FILE", "--ssl-keyfile FILE", "--engine-ca FILE"}
     unset |= {"--engine-cert FILE", "--engine-key FILE"}

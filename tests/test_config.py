@@ -130,6 +130,32 @@ def test_nodes_as_plain_strings_in_file_and_environment(tmp_path: Path) -> None:
     assert args.prefill == [NodeSpec("http://p0:8100")]  # from the file still
 
 
+def test_a_toml_value_has_the_settings_type_and_a_list_takes_one_item_alone(
+    tmp_path: Path,
+) -> None:
+    """The README's rule: numbers as numbers, strings as strings, a list as an array or as
+    its one item; the environment, all text, says the same in its own spelling."""
+    toml = """
+prefill = "http://p0:8100"
+decode = { url = "http://d0:8200", slots = 2 }
+decode_dns = "d.ns:8200"
+queue_timeout = 5
+max_body_bytes = 1024
+"""
+    env = {
+        "PD_ROUTER_PREFILL": "http://p0:8100",
+        "PD_ROUTER_DECODE": "http://d0:8200,slots=2",
+        "PD_ROUTER_DECODE_DNS": "d.ns:8200",
+        "PD_ROUTER_QUEUE_TIMEOUT": "5",
+        "PD_ROUTER_MAX_BODY_BYTES": "1024",
+    }
+    from_file, from_env = parse([], {}, toml, tmp_path), parse([], env)
+    assert from_file.prefill == [NodeSpec("http://p0:8100")]
+    assert from_file.decode == [NodeSpec("http://d0:8200", 2)]
+    assert (from_file.queue_timeout, from_file.max_body_bytes) == (5.0, 1024)
+    assert vars(from_file) == {**vars(from_env), "config": vars(from_file)["config"]}
+
+
 def test_a_higher_source_replaces_a_node_list(tmp_path: Path) -> None:
     toml = 'prefill = ["http://p0:8100", "http://p1:8100"]\ndecode = ["http://d0:8200"]\n'
     args = parse(["--prefill", "http://cli:8100"], {}, toml, tmp_path)
@@ -168,14 +194,22 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
     ("toml", "expected"),
     [
         ("queue_timeout = -1\n", "queue_timeout: must be a number of seconds >= 0, got '-1'"),
-        ('queue_timeout = "soon"\n', "queue_timeout: must be a number of seconds >= 0"),
+        ('queue_timeout = "soon"\n', 'queue_timeout: expected a number, got "soon"'),
+        ('queue_timeout = "5"\n', 'queue_timeout: expected a number, got "5"'),
         ("decode_slots = 0\n", "decode_slots: must be a whole number >= 1, got '0'"),
         ("port = 80.5\n", "port: must be a whole number from 0 to 65535 (0: any free port)"),
-        ("port = true\n", "port: expected a number or a string, got True"),
+        ("port = true\n", "port: expected a number, got true"),
+        ("decode_slots = 4.0\n", "decode_slots: must be a whole number >= 1, got '4.0'"),
         ("host = 1\n", "host: expected a string, got 1"),
         ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
-        ('access_log = "yes"\n', "access_log: expected true or false"),
-        ('decode = "http://d0:8200"\n', "decode: expected a non-empty array"),
+        ("admin_token = 1234\n", "admin_token: expected a string, got 1234"),
+        ('access_log = "yes"\n', 'access_log: expected true or false, got "yes"'),
+        (
+            "decode = []\n",
+            "decode: expected a URL or a table ({ url = ..., slots = N, labels = { ... } }), "
+            "or a non-empty array of them, got an empty array",
+        ),
+        ("decode = 8200\n", "decode: expected a URL or a table"),
         ('decode = ["d0:8200"]\n', "decode[0]: 'd0:8200': expected an http(s)://host:port URL"),
         ("[[decode]]\nurl = 'http://d0:8200'\nslots = 0\n", "decode[0].slots: expected a whole"),
         ("[[decode]]\nurl = 'http://d0:8200,slots=2'\n", "decode[0].url: "),
@@ -347,7 +381,7 @@ def test_dns_names_beside_static_nodes_and_from_every_source(tmp_path: Path) -> 
             'decode_dns = [{ name = "d.ns", port = 1, slot = 2 }]\n',
             "decode_dns[0]: unknown key 'slot'",
         ),
-        ([], {}, 'decode_dns = "d.ns:1"\n', "decode_dns: expected a non-empty array"),
+        ([], {}, "decode_dns = []\n", "decode_dns: expected NAME:PORT or a table"),
         (
             ["--dns-server", "dns.local:53"],
             {},

@@ -295,3 +295,88 @@ def test_a_queued_request_is_served_when_the_slot_frees(sims: SimFleet) -> None:
 
 
 STREAM_40 = {"model": "sim-model", "prompt": "hold the slot", "max_tokens": 40, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/admin/nodes"), ("POST", "/admin/nodes/0/drain"), ("GET", "/admin")],
+)
+def test_the_admin_api_says_it_is_off_and_how_to_turn_it_on(
+    router: RouterProcess, method: str, path: str
+) -> None:
+    """This router has no --admin-token: the path is right, the API is off."""
+    response = httpx.request(method, router.url + path, headers={"authorization": "Bearer x"})
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": f"{method} {path}: the admin API is off; start pd-router with "
+            "--admin-token TOKEN (or PD_ROUTER_ADMIN_TOKEN, or admin_token in the config file) "
+            "to turn it on",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "admin_disabled",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": "hi"},
+            "messages",
+            "'messages' must be a non-empty list of messages, got a string",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": []},
+            "messages",
+            "'messages' must be a non-empty list of messages, got an empty list",
+        ),
+        ("/v1/chat/completions", {"model": "sim-model"}, "messages", "'messages' is required"),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": [{"role": "user"}, {"content": "hi"}]},
+            "messages",
+            "'messages[1].role' is required",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "sim-model", "messages": ["hi"]},
+            "messages",
+            "'messages[0]' must be an object, got a string",
+        ),
+        (
+            "/v1/completions",
+            {"model": 7, "prompt": "hi"},
+            "model",
+            "'model' must be a non-empty string, got 7",
+        ),
+        ("/v1/completions", {"prompt": "hi"}, "model", "'model' is required"),
+        (
+            "/v1/completions",
+            {"model": "sim-model", "prompt": None},
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token ids (integers) or a "
+            "list of such lists, got null",
+        ),
+        (
+            "/v1/completions",
+            {"model": "sim-model", "prompt": "hi", "max_tokens": "8"},
+            "max_tokens",
+            "'max_tokens' must be a positive integer, got a string",
+        ),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_told_so_not_that_it_is_missing(
+    router: RouterProcess, path: str, body: dict[str, object], param: str, message: str
+) -> None:
+    response = httpx.post(router.url + path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": param,
+        "code": None,
+    }

@@ -16,8 +16,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pd_router"
 
 # What each plane may import besides itself (the docstrings of the subpackages say why).
-# Top-level modules (app, relay, admin, cli, serve, demo, status, config, workers) are where
-# the planes meet and may import any of them; no plane imports them, except ``errors``.
+# Top-level modules (app, relay, admin, cli, parser, serve, demo, status, config, workers) are
+# where the planes meet and may import any of them; no plane imports them, except ``errors``.
 ALLOWED = {
     "fleet": {"errors"},
     "edge": {"errors"},

@@ -29,47 +29,109 @@ def _positive(text: str) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--engine-id", help="default: sim-<role>-<port>")
-    parser.add_argument("--model", default="sim-model")
-    parser.add_argument("--max-model-len", type=_positive, default=4096)
-    parser.add_argument("--prefill-delay", type=_non_negative, default=0.0)
-    # As vLLM's: /v1/* need 'Authorization: Bearer KEY'; /health and the KV pull do not.
-    parser.add_argument("--api-key")
-    parser.add_argument("--ssl-certfile")
-    parser.add_argument("--ssl-keyfile")
-    parser.add_argument("--ssl-ca-certs", help="CA of the client certificates to accept")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on (required)")
     parser.add_argument(
-        "--ssl-cert-reqs", type=int, default=0, help="0 none, 1 optional, 2 required (ssl.CERT_*)"
+        "--engine-id",
+        metavar="ID",
+        help="the engine's id in kv_transfer_params (default: sim-ROLE-PORT)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        default="sim-model",
+        help="the one model it serves: GET /v1/models lists it, a request for another gets 404",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        metavar="TOKENS",
+        type=_positive,
+        default=4096,
+        help="longest prompt, in tokens (words); a longer one gets 400",
+    )
+    parser.add_argument(
+        "--prefill-delay",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=0.0,
+        help="computing a prompt takes this long (a prefill engine: plus --prefill-per-token "
+        "per token not cached; a --standalone decode engine: instead of the KV pull)",
+    )
+    # As vLLM's: /v1/* need 'Authorization: Bearer KEY'; /health and the KV pull do not.
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every /v1/ request needs 'Authorization: Bearer KEY', as vLLM's --api-key "
+        "(default: none needed)",
+    )
+    parser.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        help="serve HTTPS with this certificate (default: plain HTTP)",
+    )
+    parser.add_argument(
+        "--ssl-keyfile", metavar="FILE", help="the key of --ssl-certfile (default: in that file)"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        help="CA of the client certificates to accept (default: the system's)",
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="client certificates: 0 not asked, 1 optional, 2 required (ssl.CERT_*; default: 0)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pd_router.sim",
-        description="A simulated vLLM engine speaking the NixlConnector P/D protocol.",
+        description="A simulated vLLM engine speaking the NixlConnector P/D protocol: one "
+        "engine, one model, one port. A token is a word of the prompt; a decode engine "
+        "answers with the words of the prompt whose KV it pulled, repeated. "
+        "`python -m pd_router.sim prefill --help` and `... decode --help` list each "
+        "role's options.",
     )
-    roles = parser.add_subparsers(dest="role", required=True)
+    roles = parser.add_subparsers(dest="role", required=True, metavar="{prefill,decode}")
 
-    prefill = roles.add_parser("prefill", help="kv_producer: computes prompts, pins KV")
+    prefill = roles.add_parser(
+        "prefill", help="kv_producer: computes prompts, pins their KV for a decode engine"
+    )
     _common(prefill)
-    prefill.add_argument("--kv-lease", type=_non_negative, default=30.0)
-    prefill.add_argument("--block-size", type=_positive, default=16)
+    prefill.add_argument(
+        "--kv-lease",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=30.0,
+        help="a prompt's KV stays pinned this long for a decode engine to pull it",
+    )
+    prefill.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_positive,
+        default=16,
+        help="tokens per KV block, the prefix cache's unit",
+    )
     prefill.add_argument(
         "--prefix-cache-blocks",
+        metavar="N",
         type=_positive,
         default=1 << 20,
         help="blocks the prefix cache holds (least recently used evicted first)",
     )
     prefill.add_argument(
         "--prefill-per-token",
+        metavar="SECONDS",
         type=_non_negative,
         default=0.0,
         help="seconds of compute per prompt token not in the prefix cache",
     )
     prefill.add_argument(
         "--prefill-concurrency",
+        metavar="N",
         type=_positive,
         default=1024,
         help="prefills computed at once; more wait their turn",
@@ -77,17 +139,60 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = roles.add_parser("decode", help="kv_consumer: pulls KV, generates tokens")
     _common(decode)
-    decode.add_argument("--accept-delay", type=_non_negative, default=0.0)
-    decode.add_argument("--ttft", type=_non_negative, default=0.0)
-    decode.add_argument("--itl", type=_non_negative, default=0.0)
-    decode.add_argument("--default-max-tokens", type=_positive, default=16)
-    decode.add_argument("--slots", type=_positive, default=64)
+    decode.add_argument(
+        "--accept-delay",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=0.0,
+        help="a request in a slot waits this long before it pulls the KV",
+    )
+    decode.add_argument(
+        "--ttft",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=0.0,
+        help="time to the first token, after the pull",
+    )
+    decode.add_argument(
+        "--itl", metavar="SECONDS", type=_non_negative, default=0.0, help="time between tokens"
+    )
+    decode.add_argument(
+        "--default-max-tokens",
+        metavar="N",
+        type=_positive,
+        default=16,
+        help="tokens generated for a request that gives no max_tokens",
+    )
+    decode.add_argument(
+        "--slots",
+        metavar="N",
+        type=_positive,
+        default=64,
+        help="requests generated at once; more wait their turn",
+    )
     decode.add_argument(
         "--standalone",
         action="store_true",
         help="also serve requests without kv_transfer_params, like a plain engine",
     )
+    decode.add_argument(
+        "--name-prefill",
+        action="store_true",
+        help="start each answer with [prefill HOST:PORT], the prefill engine whose KV it "
+        "pulled (pd-router demo turns it on)",
+    )
+    for role in (prefill, decode):
+        _show_defaults(role)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        default = action.default
+        # None: no default (required, or said in the help); SUPPRESS: --help's own.
+        if action.help and default not in (None, argparse.SUPPRESS):
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            action.help += f" (default: {'off' if default is False else shown})"
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -128,6 +233,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         max_model_len=args.max_model_len,
         slots=args.slots,
         standalone=args.standalone,
+        name_prefill=args.name_prefill,
         api_key=args.api_key,
     )
     return DecodeEngine(settings, config)

@@ -26,6 +26,7 @@ class EngineSettings:
     kv_lease: float = 30.0
     slots: int = 64
     standalone: bool = False
+    name_prefill: bool = False
     # As vLLM's --api-key: every /v1/ request must carry 'Authorization: Bearer <key>'.
     api_key: str | None = None
 

@@ -12,6 +12,9 @@ prefill.
 
 With ``--standalone`` a body without ``kv_transfer_params`` is served like a plain engine:
 the body's own prompt tokens, after ``prefill_delay`` instead of a pull, none cached.
+
+With ``--name-prefill`` (the demo's) an answer's text starts with ``[prefill HOST:PORT]``,
+the prefill engine whose KV it pulled, for a person who wants to see where it went.
 """
 
 from __future__ import annotations
@@ -106,21 +109,26 @@ class DecodeEngine(Engine):
     async def _generate_in_slot(self, exchange: Exchange, job: Job) -> Outcome:
         await anyio.sleep(self.config.accept_delay)
         params = job.body.get("kv_transfer_params")
+        lead = ""
         if params is None:
             await anyio.sleep(self.config.prefill_delay)
             tokens, cached = job.prompt_tokens, 0
         else:
+            remote = parse_remote_prefill(params)
             try:
-                tokens = await self._pull(parse_remote_prefill(params))
+                tokens = await self._pull(remote)
             except PullError as exc:
                 self.counters.pull_failures += 1
                 await exchange.respond_error(500, f"KV transfer failed: {exc}")
                 return Outcome.FAILED
             self.counters.transfers += 1
             cached = len(tokens)
+            if self.settings.name_prefill:
+                host = f"[{remote.host}]" if ":" in remote.host else remote.host
+                lead = f"[prefill {host}:{remote.port}]"
         if job.stream:
-            return await self._stream(exchange, job, tokens, cached)
-        return await self._complete(exchange, job, tokens, cached)
+            return await self._stream(exchange, job, tokens, cached, lead)
+        return await self._complete(exchange, job, tokens, cached, lead)
 
     async def _pull(self, remote: RemotePrefill) -> list[str]:
         if self._session is None:
@@ -172,7 +180,7 @@ class DecodeEngine(Engine):
         )
 
     async def _stream(
-        self, exchange: Exchange, job: Job, tokens: list[str], cached: int
+        self, exchange: Exchange, job: Job, tokens: list[str], cached: int, lead: str
     ) -> Outcome:
         created = int(time.time())
         count = job.max_tokens
@@ -187,7 +195,7 @@ class DecodeEngine(Engine):
             while self.config.stall:
                 await anyio.sleep(0.05)
             finish = "length" if i == count - 1 else None
-            text = token_text(tokens[i % len(tokens)])
+            text = (lead if i == 0 else "") + token_text(tokens[i % len(tokens)])
             await exchange.send_body(self._event(job, created, text, finish, role=False), more=True)
         if fail_after is not None:
             # Asked to fail after at least every token: die before the usage and [DONE].
@@ -205,7 +213,7 @@ class DecodeEngine(Engine):
         return Outcome.COMPLETED
 
     async def _complete(
-        self, exchange: Exchange, job: Job, tokens: list[str], cached: int
+        self, exchange: Exchange, job: Job, tokens: list[str], cached: int, lead: str
     ) -> Outcome:
         created = int(time.time())
         count = job.max_tokens
@@ -214,7 +222,7 @@ class DecodeEngine(Engine):
             if i == fail_after:
                 break
             await anyio.sleep(self.config.ttft if i == 0 else self.config.itl)
-        text = "".join(token_text(tokens[i % len(tokens)]) for i in range(count))
+        text = lead + "".join(token_text(tokens[i % len(tokens)]) for i in range(count))
         body: JSON = full_response(
             request_id=job.request_id,
             chat=job.chat,

@@ -255,7 +255,8 @@ class RouterProcess(ServerProcess):
 
 
 class SimFleet:
-    """N prefill and M decode engines, started together and all healthy inside ``with``."""
+    """N prefill and M decode engines, started together and all healthy inside ``with``;
+    with ``models``, N and M for each of them (grouped by model, in the given order)."""
 
     def __init__(
         self,
@@ -264,10 +265,17 @@ class SimFleet:
         *,
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
+        models: Sequence[str] = (),
         startup_timeout: float = 30.0,
     ) -> None:
-        self.prefill = [EngineProcess("prefill", prefill_args) for _ in range(prefill)]
-        self.decode = [EngineProcess("decode", decode_args) for _ in range(decode)]
+        self.prefill: list[EngineProcess] = []
+        self.decode: list[EngineProcess] = []
+        # No model named: the engines' own default.
+        for named in [["--model", model] for model in models] or [[]]:
+            self.prefill += [
+                EngineProcess("prefill", [*prefill_args, *named]) for _ in range(prefill)
+            ]
+            self.decode += [EngineProcess("decode", [*decode_args, *named]) for _ in range(decode)]
         self.startup_timeout = startup_timeout
 
     @property

@@ -270,6 +270,8 @@ def test_failed_large_requests_give_their_memory_back(router: RouterProcess) -> 
         ("GET", "/", 404, "no route GET /"),
         ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions"),
         ("POST", "/v1/completions/", 404, "did you mean /v1/completions?"),
+        # The admin API is on here (--admin-token): a path it lacks is just not there.
+        ("GET", "/admin/node", 404, "no route GET /admin/node"),
     ],
 )
 def test_other_routes_and_methods_get_openai_errors_not_redirects(
