@@ -64,6 +64,9 @@ async def router(url: str, slots: int = SLOTS) -> AsyncIterator[SharedPool]:
         for _, work in pool.background():
             tg.start_soon(work)
         await until(lambda: pool.available)
+        (await pool.acquire(0)).release()  # the scripts loaded: a late one runs, as in use
+        while any(int(n) for n in await pool.redis.call("HVALS", "{pdr}:used")):
+            await anyio.sleep(0.01)
         try:
             yield pool
         finally:
