@@ -295,7 +295,7 @@ class SharedPool(DecodePool):
             await self._repair()
             return await self._run(script, args, repair=False)
         self._failing = None
-        self._noted(reply if script is _REPAIR else reply[-1])
+        self.noted(reply if script is _REPAIR else reply[-1])
         return reply
 
     def _failed(self, error: RedisError) -> StateUnavailable:
@@ -315,7 +315,8 @@ class SharedPool(DecodePool):
         await self._register(repair=False)
 
     @staticmethod
-    def _noted(bad: Sequence[bytes]) -> None:
+    def noted(bad: Sequence[bytes]) -> None:
+        """What a script found wrong in the store (and repaired), logged at ERROR."""
         for at in range(0, len(bad) - 3, 4):
             key, field, value, done = (item.decode(errors="replace") for item in bad[at : at + 4])
             where = f"{key} field {field!r}" if field else key

@@ -495,7 +495,8 @@ GRANTS = "{pdr}:grant:"
 # dropped), "adopt" (a router's configured nodes: written only if new) or "discover" (an
 # address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
 # its record and admin state, an operator's drain included), the router, then
-# per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
+# per node (role, url, record, admin state, preferred id or "") -> {the nodes' ids, in order,
+# bad (as the pool's scripts: a lost id counter)}.
 # A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
 NODES = _COMMON + """
 local router, ids, changed = ARGV[2], {}, false
@@ -507,9 +508,10 @@ for i = 3, #ARGV, 5 do
     id = ARGV[i + 4]
     if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
       repeat
-        id = tostring(redis.call('INCR', P .. 'next-id') - 1)
+        -- A lost counter starts again at 0: taken ids are skipped.
+        id = tostring(incr(P .. 'next-id', 0) - 1)
       until redis.call('HEXISTS', P .. 'nodes', id) == 0
-    elseif tonumber(redis.call('GET', P .. 'next-id') or '0') <= tonumber(id) then
+    elseif (as_count(redis.call('GET', P .. 'next-id')) or 0) <= tonumber(id) then
       redis.call('SET', P .. 'next-id', tonumber(id) + 1)
     end
     redis.call('HSET', P .. 'node-ids', key, id)
@@ -527,7 +529,7 @@ for i = 3, #ARGV, 5 do
   ids[#ids + 1] = tonumber(id)
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end
-return ids
+return {ids, bad}
 """
 
 # ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node
