@@ -211,15 +211,13 @@ class SharedPool(DecodePool):
         try:
             with anyio.CancelScope(shield=True):
                 reply = await self._run(_ACQUIRE, args)
-                if reply[0] == b"unknown":  # Redis lost this router's registration
+                if reply[0] in (b"unknown", b"stale"):
+                    # Redis lost this router's registration, or the slots of a node (lost,
+                    # or dropped as bad): the renewal writes them back.
                     await self._renew()
                     reply = await self._run(_ACQUIRE, args)
                 elif reply[-1]:
-                    # Bad values: what Redis could not repair (slots, read as none), this
-                    # router's renewal writes back before the next request reads it.
-                    await self._renew()
-                    if reply[0] == b"busy":
-                        reply = await self._run(_ACQUIRE, args)
+                    await self._renew()  # what Redis could not repair, before others read it
         except Unavailable:
             self.wake()  # the script may have run, or may still: settled by the renewal
             raise

@@ -119,9 +119,14 @@ local function add_used(url, delta)
     redis.call('HINCRBY', P .. 'used', url, delta)
   end
 end
+-- Set when a node's slots were not in the store (lost, or dropped as bad): the router's
+-- renewal writes them back.
+local lacking = false
 local function free(url)
   local slots = count(P .. 'slots', url)
+  if slots == 0 and redis.call('HEXISTS', P .. 'slots', url) == 0 then lacking = true end
   if slots == nil then
+    lacking = true
     -- The router's renewal writes its nodes' slots back.
     note(P .. 'slots', url, redis.call('HGET', P .. 'slots', url), 'dropped')
     redis.call('HDEL', P .. 'slots', url)
@@ -298,7 +303,9 @@ end
 # ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
 # the nodes the request may land on (a list of nodes: see the module docstring)
 # -> {"ok", url, bad} | {"queued", bad} | {"busy", bad} | {"unknown", bad} (the router must
-# register first) | {"late", bad} (an id below the router's floor: a call it gave up on)
+# register first) | {"stale", bad} (no slot free, and the slots of some node were not in
+# the store: the router must renew first) | {"late", bad} (an id below the router's floor:
+# a call it gave up on)
 # As in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
 # never overtakes a waiter); a burst queued on another model's nodes is no obstacle.
 ACQUIRE = _COMMON + """
@@ -312,6 +319,7 @@ if url and first_for(takes[url]) == nil then
   add_used(url, 1)
   return {'ok', url, bad}
 end
+if lacking then return {'stale', bad} end
 if may_queue == '1' then
   enqueue(model, router .. ' ' .. resid)
   return {'queued', bad}
