@@ -111,13 +111,10 @@ local function recount()
   end
   return counts
 end
--- Called after the reservation on url was written or deleted.
+-- Called after the reservation on url was written or deleted. (A count that HINCRBY takes
+-- but is no count, a negative one, is found by the next read: ``free``, or a renewal.)
 local function add_used(url, delta)
-  if count(P .. 'used', url) == nil then
-    recount()
-  else
-    redis.call('HINCRBY', P .. 'used', url, delta)
-  end
+  if type(redis.pcall('HINCRBY', P .. 'used', url, delta)) ~= 'number' then recount() end
 end
 -- Set when a node's slots were not in the store (lost, or dropped as bad): the router's
 -- renewal writes them back.
