@@ -90,17 +90,24 @@ async def queued_in_redis(store: Redis) -> int:
     return sum([await store.call("ZCARD", b"{pdr}:queue:" + model) for model in models])
 
 
-async def agree(store: Redis, pool: SharedPool) -> None:
-    """Redis counts what the router holds, its reservations are the router's, and nobody
-    waits in Redis's queues but the router's waiters: within one renewal (``HEAL`` allows
-    a slow machine)."""
-    key = "{pdr}:res:" + pool.router_id
+async def agree(store: Redis, *pools: SharedPool) -> None:
+    """Redis counts what the routers hold, each router's reservations are its own, and
+    nobody waits in Redis's queues but the routers' waiters: within one renewal (``HEAL``
+    allows a slow machine)."""
+
+    async def state() -> tuple[int, list[set[str]], int]:
+        ids = []
+        for pool in pools:
+            ids.append(
+                {r.decode() for r in await store.call("HKEYS", "{pdr}:res:" + pool.router_id)}
+            )
+        return await in_redis(store), ids, await queued_in_redis(store)
+
     with anyio.fail_after(HEAL):
         while True:
-            counted, queued = await in_redis(store), await queued_in_redis(store)
-            ids = {resid.decode() for resid in await store.call("HKEYS", key)}
-            held = {str(resid) for resid in pool._held}
-            if (counted, ids, queued) == (pool.in_use, held, pool.queue_depth):
+            held = [set(pool._held) for pool in pools]
+            routers = sum(p.in_use for p in pools), held, sum(p.queue_depth for p in pools)
+            if await state() == routers:
                 return
             await anyio.sleep(0.02)
 
@@ -163,16 +170,19 @@ async def command(port: int, *words: str) -> SocketStream:
 async def test_acquires_that_timed_out_while_redis_slept_and_ran_later_are_given_back(
     server: RedisServer, store: Redis
 ) -> None:
-    async with router(server.url) as pool:
-        held = await pool.acquire(0)
+    """Another router's reservation is its own: what one router settles is only its own."""
+    async with router(server.url) as pool, router(server.url) as other:
+        held, elsewhere = await pool.acquire(0), await other.acquire(0)
         sleeper = await command(server.port, "DEBUG", "SLEEP", str(STALL))
         await refused(lambda: pool.acquire(0), 6)
         await sleeper.receive()  # Redis is awake: it ran the six acquires, or refused them
         await sleeper.aclose()
-        await agree(store, pool)
-        assert await in_redis(store) == 1 == pool.in_use
+        await agree(store, pool, other)
+        assert await in_redis(store) == 2 == pool.in_use + other.in_use
+        assert await store.call("HKEYS", "{pdr}:res:" + other.router_id) == [elsewhere.id.encode()]
         held.release()
-        await agree(store, pool)
+        elsewhere.release()
+        await agree(store, pool, other)
         await burst(store, pool)
 
 
