@@ -50,6 +50,8 @@ class Counters:
     # Prompt tokens prefilled, and those of them served from the prefix cache.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # GET /v1/models answered (or begun): what a router's model reads cost the engine.
+    models_requests: int = 0
 
 
 @dataclass
@@ -265,6 +267,8 @@ class Engine:
         await exchange.respond(200, {"status": "ok"})
 
     async def _models(self, exchange: Exchange) -> None:
+        self.counters.models_requests += 1
+        await anyio.sleep(self.config.models_delay)
         model = {
             "id": self.settings.model,
             "object": "model",
