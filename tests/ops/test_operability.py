@@ -139,3 +139,26 @@ def test_latency_histograms_count_a_bound_in_its_own_bucket() -> None:
     assert buckets["+Inf"] == 4
     assert samples[("pd_router_x_seconds_count", None)] == 4
     assert samples[("pd_router_x_seconds_sum", None)] == 0.001 + 0.0011 + 0.3 + 400.0
+
+
+# U+202E (right-to-left override) and U+2066 (left-to-right isolate) reorder what a
+# terminal shows; U+0085 is a C1 control (NEL), U+200B a zero-width space.
+SNEAKY = "gpt\u202e4-lim\u2066x\u0085y\u200bz"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_model_name_cannot_reorder_or_break_the_log(fleet: SimFleet, log_format: str) -> None:
+    """Bidi controls in a model name reached the log raw (JSON escapes only C0 controls)."""
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--log-format", log_format) as router:
+        body = {"model": SNEAKY, "prompt": "hi", "max_tokens": 2}
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+        assert answer.status_code == 404  # logged all the same
+        wait_for(lambda: "model_not_found" in router.log(), what="the request's log line")
+        log = router.log()
+    assert not any(c in log for c in "\u202e\u2066\u0085\u200b")
+    (line,) = (line for line in log.splitlines() if "model_not_found" in line)
+    if log_format == "json":
+        assert json.loads(line)["model"] == SNEAKY  # escaped, not changed
+    else:
+        assert ' model="gpt\\u202e4-lim\\u2066x\\u0085y\\u200bz" ' in line
