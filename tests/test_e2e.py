@@ -295,3 +295,43 @@ def test_a_queued_request_is_served_when_the_slot_frees(sims: SimFleet) -> None:
 
 
 STREAM_40 = {"model": "sim-model", "prompt": "hold the slot", "max_tokens": 40, "stream": True}
+
+
+def test_max_tokens_beyond_the_context_is_a_400_as_vllm_gives(
+    router: RouterProcess, sims: SimFleet
+) -> None:
+    """2^63 passed the router's checks and a simulated engine then generated until the
+    client left; vLLM (0.32) refuses more than max_model_len with this message."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client_for(router).chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hello"}],
+                stream=True,
+                timeout=30,
+                **{name: 2**63},
+            )
+        engine = caught.value.body["message"].split("/v1/")[0]
+        assert engine.startswith("decode engine http://127.0.0.1:")
+        assert caught.value.body["message"].endswith(
+            f"/v1/chat/completions: {name}=9223372036854775808 cannot be greater than "
+            "max_model_len=4096. Please request fewer output tokens. "
+            f"(parameter={name}, value=9223372036854775808)"
+        )
+    router.assert_idle()
+
+
+def test_the_answer_ends_where_the_context_does() -> None:
+    """max_tokens within max_model_len but past the prompt's room: vLLM generates what fits."""
+    small = ["--max-model-len", "16"]
+    with SimFleet(prefill=1, decode=1, prefill_args=small, decode_args=small) as fleet:
+        prefill, decode = [fleet.prefill[0].url], [fleet.decode[0].url]
+        with RouterProcess(prefill, decode) as router:
+            prompt = "one two three four five six"
+            answer = client_for(router).completions.create(
+                model="sim-model", prompt=prompt, max_tokens=16, timeout=30
+            )
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (6, 10)
+    assert answer.choices[0].text == echo(prompt, 10)
+    assert answer.choices[0].finish_reason == "length"
