@@ -340,7 +340,7 @@ def test_with_a_shared_state_slots_are_the_fleets_and_this_routers_share_is_said
     shared = NodeRow(1, "decode", "http://d0:8200", "serving", 2, 1, 0, {}, 2, models=["m"])
     other = NodeRow(2, "decode", "http://d1:8200", "serving", 4, 0, 0, {}, 1, models=[])
     prefill = NodeRow(0, "prefill", "http://p0:8100", "serving", 1, 0, 0, {}, 1, models=["m"])
-    many = [f"model-{i}" for i in range(5)]
+    many = [f"m{i}" for i in range(5)]
     wide = NodeRow(3, "decode", "http://d2:8200", "serving", 1, 0, 0, {}, 0, models=many)
     snapshot = Snapshot([prefill, shared, other, wide], routers={"r1": 2, "r2": 1})
     assert format_table(snapshot, "http://r").splitlines()[:7] == [
@@ -351,7 +351,7 @@ def test_with_a_shared_state_slots_are_the_fleets_and_this_routers_share_is_said
         "0   prefill  serving  0/1    0         1         http://p0:8100  m",
         "1   decode   serving  2/2    0         2         http://d0:8200  m",
         "2   decode   serving  1/4    0         1         http://d1:8200  ?",
-        "3   decode   serving  0/1    0         0         http://d2:8200  model-0,model-1,model-2,+2",
+        "3   decode   serving  0/1    0         0         http://d2:8200  m0,m1,m2,+2",
     ]
 
 
