@@ -220,6 +220,28 @@ async def test_waiters_of_a_model_whose_last_node_dies_are_told_others_wait_on()
 
 
 @pytest.mark.anyio
+async def test_a_busy_model_is_named_when_it_is_why_and_only_then() -> None:
+    pool = DecodePool([node(0, "a"), node(1, "b")])
+    held = await pool.acquire(0, "a")  # a's only slot; b's is free
+    with pytest.raises(Busy) as busy:
+        await pool.acquire(0, "a")
+    assert busy.value.message == "all decode nodes serving 'a' busy"
+    with pytest.raises(QueueTimeout, match=r"^no decode node serving 'a' free after waiting \d"):
+        await pool.acquire(0.05, "a")
+    held.release()
+    one_model = DecodePool([node(0, "a"), node(1, "a")])
+    held = [await one_model.acquire(0, "a") for _ in range(2)]
+    with pytest.raises(Busy, match="^all decode nodes busy$"):
+        await one_model.acquire(0, "a")
+    with pytest.raises(QueueTimeout, match="^no decode node free after waiting"):
+        await one_model.acquire(0.05, "a")
+    for reservation in held:
+        reservation.release()
+    assert_idle(pool)
+    assert_idle(one_model)
+
+
+@pytest.mark.anyio
 async def test_a_models_only_node_gets_its_requests_while_unhealthy() -> None:
     # The slow-engine fallback is per model: b's only node is unhealthy, and the healthy
     # node of another model does not make b's requests fail.
