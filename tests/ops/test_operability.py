@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pd_router.ops.logs import escaped
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RawClient, RouterProcess, wait_for
 
@@ -162,3 +163,11 @@ def test_a_model_name_cannot_reorder_or_break_the_log(fleet: SimFleet, log_forma
         assert json.loads(line)["model"] == SNEAKY  # escaped, not changed
     else:
         assert ' model="gpt\\u202e4-lim\\u2066x\\u0085y\\u200bz" ' in line
+
+
+def test_escaped_json_means_what_it_did() -> None:
+    # A tag character (U+E0001) lies beyond the BMP: JSON spells it as a surrogate pair.
+    value = {"model": "a\u202eb\U000e0001c\x7f d\u00e9\u6a21"}
+    text = escaped(json.dumps(value, ensure_ascii=False))
+    assert text.isprintable() and json.loads(text) == value
+    assert "\\udb40\\udc01" in text and "d\u00e9\u6a21" in text  # printable ones stay
