@@ -77,8 +77,8 @@ def small_card(card: Card) -> Card:
 
 
 def listing(nodes: Iterable[Node]) -> list[Card] | None:
-    """What ``GET /v1/models`` lists for ``nodes``: each model whose list was read, once
-    (the first node's object); None when no node's list has been read yet."""
+    """What ``GET /v1/models`` lists for ``nodes``: each model of the lists read, once (the
+    first node's object); None when no node's list has been read yet."""
     seen: dict[str, Card] = {}
     known = False
     for node in nodes:
