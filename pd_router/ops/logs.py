@@ -29,12 +29,21 @@ class JsonFormatter(logging.Formatter):
         return escaped(orjson.dumps(document).decode())
 
 
+class TextFormatter(logging.Formatter):
+    """One line per message: text a message quotes from outside (an engine's error message)
+    can neither start another line nor reorder what a terminal shows. A traceback, added
+    after the message, keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escaped(super().formatMessage(record))
+
+
 def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -171,3 +171,24 @@ def test_escaped_json_means_what_it_did() -> None:
     text = escaped(json.dumps(value, ensure_ascii=False))
     assert text.isprintable() and json.loads(text) == value
     assert "\\udb40\\udc01" in text and "d\u00e9\u6a21" in text  # printable ones stay
+
+
+def test_an_engines_error_text_cannot_forge_a_log_line() -> None:
+    """A prefill engine's error message is logged when the prefill is retried elsewhere."""
+    forged = "overloaded\n2026-01-01 00:00:00,000 INFO pd_router.access: request \u202eevil"
+    with SimFleet(prefill=2, decode=1) as fleet:
+        for engine in fleet.prefill:
+            engine.configure(fail_status=503, fail_message=forged)
+        prefill, decode = [e.url for e in fleet.prefill], [fleet.decode[0].url]
+        with RouterProcess(prefill, decode) as router:
+            answer = httpx.post(f"{router.url}/v1/completions", json=SHORT, timeout=30)
+            wait_for(lambda: "retrying on node" in router.log(), what="the retry's log line")
+            log = router.log()
+    assert answer.status_code == 503
+    assert "\u202e" not in log
+    (line,) = (line for line in log.splitlines() if "retrying on node" in line)
+    assert (
+        "overloaded\\u000a2026-01-01 00:00:00,000 INFO pd_router.access: request \\u202eevil"
+        in line
+    )
+    assert not any(x.startswith("2026-01-01") for x in log.splitlines())
