@@ -33,12 +33,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--engine-id", help="default: sim-<role>-<port>")
     parser.add_argument("--model", default="sim-model")
-    parser.add_argument(
-        "--max-model-len",
-        type=_positive,
-        default=4096,
-        help="context tokens (prompt words and answer); more max_tokens is a 400, as in vLLM",
-    )
+    parser.add_argument("--max-model-len", type=_positive, default=4096)
     parser.add_argument("--prefill-delay", type=_non_negative, default=0.0)
 
 

@@ -32,11 +32,13 @@ def test_a_model_object_is_kept_whole_up_to_2_kib_else_its_small_openai_fields()
     whole = {"id": "m", "object": "model", "max_model_len": 4096, "root": "r" * 1900}
     huge = {"id": "big", "created": 7, "owned_by": "vllm", "x": "y" * models.MAX_CARD}
     odd = {"id": "odd", "created": "yesterday", "owned_by": "o" * 10_000, "x": "y" * 3000}
-    cards = models.parse({"data": [whole, huge, odd, {"id": "m", "second": True}]})
+    deep = orjson.loads('{"id": "deep", "x": ' + "[" * 600 + "]" * 600 + "}")  # 1 KiB
+    cards = models.parse({"data": [whole, huge, odd, {"id": "m", "second": True}, deep]})
     assert cards == {
         "m": whole,  # the first object of an id
         "big": {"id": "big", "object": "model", "created": 7, "owned_by": "vllm"},
         "odd": {"id": "odd", "object": "model"},
+        "deep": {"id": "deep", "object": "model"},  # deeper than the router would write
     }
 
 
