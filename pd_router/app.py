@@ -35,13 +35,14 @@ from pd_router.engines.watch import (
 )
 from pd_router.errors import (
     AdminDisabled,
+    ModelsUnknown,
     NoRoute,
     PayloadTooLarge,
     RouterError,
     ShuttingDown,
-    UpstreamError,
 )
 from pd_router.fleet.membership import LocalMembership, Membership
+from pd_router.fleet.models import listing as model_listing
 from pd_router.fleet.nodes import Node
 from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router
@@ -132,29 +133,13 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
 
     async def models(request: Request) -> Response:
+        # From what the model watch read: a caller costs the engines nothing.
         serving = set(fleet.serving_view())
-        nodes = [node for node in fleet.nodes if node.id in serving]
-        answers: list[Any] = [None] * len(nodes)
-
-        async def ask(index: int, url: str) -> None:
-            try:
-                answers[index] = await router.upstream.get_json(url + "/v1/models")
-            except UpstreamError:
-                pass
-
-        with anyio.move_on_after(10):
-            async with anyio.create_task_group() as tg:
-                for index, node in enumerate(nodes):
-                    tg.start_soon(ask, index, node.url)
-        seen: dict[str, Any] = {}
-        for answer in answers:
-            data = answer.get("data") if isinstance(answer, dict) else None
-            for model in data if isinstance(data, list) else ():
-                if isinstance(model, dict) and isinstance(model.get("id"), str):
-                    seen.setdefault(model["id"], model)
-        if not seen:
-            return error_response(UpstreamError("no engine answered /v1/models", status=503))
-        return _json({"object": "list", "data": list(seen.values())})
+        listed = model_listing(node for node in fleet.nodes if node.id in serving)
+        if listed is None:
+            message = "no serving engine's model list has been read yet"
+            return error_response(ModelsUnknown(message))
+        return _json({"object": "list", "data": listed})
 
     async def health(request: Request) -> Response:
         pool = fleet.pool
@@ -196,8 +181,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         membership.may_probe,
                     )
                     tg.start_soon(supervise, "the prober", prober)
-                    learn = partial(watch_models, fleet, router.upstream, options.health_interval)
-                    tg.start_soon(supervise, "the model watch", learn)
+                # Not a probe: one small GET per node every 30 s, which routing by model and
+                # GET /v1/models need whether or not the engines are probed.
+                tick = options.health_interval or 1.0
+                learn = partial(watch_models, fleet, router.upstream, tick)
+                tg.start_soon(supervise, "the model watch", learn)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)

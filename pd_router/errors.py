@@ -242,6 +242,12 @@ class Unavailable(RouterError):
     retry_after = "1"
 
 
+class ModelsUnknown(Unavailable):
+    """``GET /v1/models`` before the router has read any serving engine's list."""
+
+    code = "models_unknown"
+
+
 class ShuttingDown(Unavailable):
     code = "shutting_down"
     outcome = "shutting_down"

@@ -316,9 +316,9 @@ def _failure(context: str, exc: BaseException) -> UpstreamError:
         # The request's own outcome (504), not a verdict on the engine: a long answer is
         # not a failure, and a hung engine is the stall watch's to find.
         return UpstreamError(message, status=504, code="timeout", kind="timeout")
-    return UpstreamError(
-        message, kind="protocol" if isinstance(exc, ProtocolViolation) else "broken_stream"
-    )
+    if isinstance(exc, ProtocolViolation):
+        return UpstreamError(message, kind="protocol", code=exc.code)
+    return UpstreamError(message, kind="broken_stream")
 
 
 def _describe(exc: BaseException) -> str:

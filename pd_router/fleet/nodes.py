@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pd_router.errors import Evidence
@@ -92,6 +92,9 @@ class Node:
     # The models the engine serves, from its /v1/models (``fleet/models.py``); None until known,
     # and a node whose models are not known is taken to serve any.
     models: frozenset[str] | None = None
+    # Their objects as the engine listed them (bounded, ``fleet/models.py``), by id: what
+    # the router's ``GET /v1/models`` answers with. None until known.
+    cards: dict[str, dict[str, Any]] | None = None
 
     @property
     def free(self) -> int:

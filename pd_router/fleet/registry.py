@@ -195,13 +195,15 @@ class Fleet:
             self._changed()
             self.on_verdict(node)
 
-    def learned(self, node: Node, models: frozenset[str]) -> None:
-        """The models ``node``'s engine serves, as it listed them just now."""
-        if node.models == models:
+    def learned(self, node: Node, cards: dict[str, models.Card]) -> None:
+        """The models ``node``'s engine serves, as it listed them just now (by id)."""
+        node.cards = cards
+        served = frozenset(cards)
+        if node.models == served:
             return
         verb = "serves" if node.models is None else "now serves"
-        node.models = models
-        log.info("%s node %s (%s) %s: %s", *_named(node), verb, ", ".join(sorted(models)))
+        node.models = served
+        log.info("%s node %s (%s) %s: %s", *_named(node), verb, ", ".join(sorted(served)))
         self._changed()
 
     # What another router found (``--state``): the same consequences, no echo

@@ -45,7 +45,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pd_router.errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
+from pd_router.errors import RouterError, StateUnavailable, Unavailable, fresh
 from pd_router.fleet.nodes import Node, usable
 from pd_router.fleet.pool import DecodePool, Reservation, Waiter
 from pd_router.shared import scripts
@@ -140,7 +140,7 @@ class SharedPool(DecodePool):
             if isinstance(reply, Reservation):
                 return reply
             if reply == "busy":
-                raise Busy("all decode nodes busy")
+                raise self.busy(model)
             if reply != "queued":
                 raise StateUnavailable(f"shared state unavailable: {reply} after registering")
             self._queued.add(resid)
@@ -164,7 +164,7 @@ class SharedPool(DecodePool):
                 self._send(("release", resid, waiter.node.url))
             raise fresh(waiter.error)
         if waiter.node is None:
-            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+            raise self.waited_out(model, waited)
         return self._hold(resid, waiter.node, waited)
 
     def wake(self) -> None:
