@@ -4,7 +4,7 @@ background work that lives as long as the app: the prober and graceful shutdown.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -285,7 +285,7 @@ async def _discover(
     router: Router,
     discovery: Discovery,
     membership: Membership,
-    admit: Callable[[Node], Awaitable[None]],
+    admit: Callable[[Node], Coroutine[Any, Any, None]],
 ) -> None:
     # Lookups give up well before the next round is due, and never wait under a second.
     resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))

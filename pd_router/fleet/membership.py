@@ -84,7 +84,7 @@ class LocalMembership:
         node = self.fleet.find(role, url)
         if node is None:
             return self.fleet.add(url, role, slots, labels=labels, joining=self.probes)
-        self.fleet.readd(node, slots, labels)
+        self.fleet.add_again(node, slots, labels)
         return node
 
     async def drain(self, node: Node) -> None:

@@ -325,7 +325,7 @@ class Fleet:
     ) -> Node:
         """A new node, under a new id unless ``node_id`` (the shared fleet's) is given;
         ``joining``: it takes no request before its first good probe (``Node.probed``).
-        Refused for an engine the fleet has in that role (``readd`` changes it)."""
+        Refused for an engine the fleet has in that role (``add_again`` changes it)."""
         if self.find(role, url) is not None:
             raise ValueError(f"{role} node {url} is in the fleet already")
         node_id = self._next_id if node_id is None else node_id
@@ -337,7 +337,7 @@ class Fleet:
         self._changed()
         return node
 
-    def readd(self, node: Node, slots: int, labels: dict[str, str]) -> None:
+    def add_again(self, node: Node, slots: int, labels: dict[str, str]) -> None:
         """An operator added a node the fleet has: it keeps its id and takes these slots and
         labels; a drained one serves again. Its health stays what the evidence says."""
         node.labels = labels
