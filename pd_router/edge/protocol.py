@@ -280,10 +280,15 @@ def _control_only(app: ASGIApp, cap: int, stats: ClientStats) -> ASGIApp:
             f"the router holds its limit of {cap} client connections; beyond it only "
             "/admin/*, /health and /metrics are served"
         )
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+        body = error.json()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *((k.lower().encode(), v.encode()) for k, v in error.headers.items()),
+        ]
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": error.json()})
+        await send({"type": "http.response.body", "body": body})
 
     return control
 
