@@ -69,6 +69,8 @@ def own_address(url: str, host: str, port: int, hostname: str = "") -> bool:
         return False
     target = (parts.hostname or "").lower()
     listening = host.strip("[]").lower()
+    if listening == "localhost":
+        listening = "127.0.0.1"  # what the socket was bound to (``serve.listen``: IPv4)
     if target == listening or _same_ip(target, listening):
         return True
     if listening in _WILDCARDS:

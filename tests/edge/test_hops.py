@@ -44,6 +44,8 @@ def test_the_header_stays_bounded_whatever_comes_in() -> None:
         ("http://127.0.0.1:8000", "10.0.0.1", False),
         ("http://[::1]:8000", "::1", True),
         ("http://127.0.0.1", "127.0.0.1", False),
+        ("http://127.0.0.1:8000", "localhost", True),
+        ("http://localhost:8000", "localhost", True),
     ],
 )
 def test_the_routers_own_address(url: str, host: str, own: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_router.discovery import rules
 from pd_router.fleet.membership import LocalMembership, Record, apply
 from pd_router.fleet.nodes import State, make_nodes, normalise_url
 from pd_router.fleet.registry import Fleet
@@ -26,6 +27,11 @@ from pd_router.fleet.registry import Fleet
 def test_an_engine_url_has_one_canonical_spelling(given: str, canonical: str) -> None:
     assert normalise_url(given) == canonical
     assert normalise_url(canonical) == canonical
+
+
+def test_a_discovered_address_is_spelt_as_a_configured_one() -> None:
+    assert rules.url("0:0:0:0:0:0:0:1", 8200) == normalise_url("http://[::1]:8200")
+    assert rules.url("10.0.3.7", 8200) == "http://10.0.3.7:8200"
 
 
 @pytest.mark.parametrize("bad", ["http://[zz]:8", "http://[::1:8", "http://:8", "http://e:0"])
