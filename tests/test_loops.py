@@ -4,7 +4,6 @@ the CLI that are their own engines (through another address) or name each other.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,16 +60,13 @@ def test_a_router_that_is_its_own_node_answers_508_and_serves_on(fleet: SimFleet
                 router, "POST", "/nodes", json={"url": itself.url, "role": "decode", "slots": 4}
             )
             assert added.status_code == 201 and added.json()["state"] == "serving"
-            started = time.monotonic()
             with ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(lambda i: post(router, prompt=f"loop {i}"), range(16)))
-            took = time.monotonic() - started
             statuses = sorted(a.status_code for a in answers)
             assert set(statuses) <= {200, 502, 508} and 508 in statuses, statuses
             looped = next(a for a in answers if a.status_code == 508).json()["error"]
             assert looped["code"] == "loop_detected", looped
             assert "loop detected" in looped["message"]
-            assert took < 20, f"{took:.1f} s: a storm, not a refusal"
             # Each loop came back once: the router saw the 16 requests and, at most, one
             # returning copy of each.
             seen = sum(outcomes(router).values())
@@ -105,12 +101,9 @@ def test_two_routers_naming_each_other_refuse_the_loop_not_storm(fleet: SimFleet
     a.start(), b.start()
     try:
         a.wait_healthy(), b.wait_healthy()
-        started = time.monotonic()
         answer = post(a)
-        took = time.monotonic() - started
         assert answer.status_code == 508, answer.text
         assert answer.json()["error"]["code"] == "loop_detected"
-        assert took < 10, f"{took:.1f} s"
         # A -> B -> A: refused at A's second sight of it; B saw it once.
         assert outcomes(a).get("loop_detected") == 1, outcomes(a)
         assert sum(outcomes(b).values()) == 1, outcomes(b)
