@@ -3,7 +3,8 @@ background work that lives as long as the app: the prober and graceful shutdown.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,7 @@ from pd_router.admin import abort_here, admin_routes
 from pd_router.discovery.loop import discover_forever
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery
+from pd_router.edge import hops
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
 from pd_router.engines.watch import (
@@ -35,6 +37,7 @@ from pd_router.engines.watch import (
 )
 from pd_router.errors import (
     AdminDisabled,
+    LoopDetected,
     ModelsUnknown,
     NoRoute,
     PayloadTooLarge,
@@ -66,24 +69,31 @@ class OpenAIRoute:
         self.router = router
         self.endpoint = endpoint
         self.max_body_bytes = max_body_bytes
+        self.mark = router.mark.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = b""
         rid_header: str | None = None
+        via: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 rid_header = value.decode("latin-1")
             elif name == b"content-length":
                 declared = value
+            elif name == hops.HEADER:
+                via = value if via is None else via + b"," + value
         rid = request_id(rid_header)
         try:
+            # First: a loop is refused before anything of it is read or held.
+            onward = hops.passed(via, self.mark)
             if self.router.shutting_down:
                 raise ShuttingDown("router shutting down")
             raw = await _read_body(receive, declared, self.max_body_bytes)
             if raw is None:
                 self.router.telemetry.count(self.endpoint, "client_aborted")
                 return
-            relay = Relay(self.router, self.endpoint, parse_body(raw, self.endpoint), rid)
+            body = parse_body(raw, self.endpoint)
+            relay = Relay(self.router, self.endpoint, body, rid, onward)
         except RouterError as error:
             self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
             answer = ClientStream(rid)
@@ -99,16 +109,26 @@ class RouterApp:
     framework's middleware would wrap every streamed chunk's ``send``. Everything else,
     those routes' other methods included, is the Starlette app's."""
 
-    def __init__(self, openai: dict[str, OpenAIRoute], rest: Starlette) -> None:
+    def __init__(self, openai: dict[str, OpenAIRoute], rest: Starlette, mark: str) -> None:
         self.openai = openai
         self.rest = rest
+        self.mark = mark.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.openai.get(scope["path"])
-            if route is not None:
-                await route(scope, receive, send)
-                return
+        if scope["type"] == "http":
+            if scope["method"] == "POST":
+                route = self.openai.get(scope["path"])
+                if route is not None:
+                    await route(scope, receive, send)
+                    return
+            # A probe or a model read of a router that is its own node, say.
+            via = [value for name, value in scope["headers"] if name == hops.HEADER]
+            if via:
+                try:
+                    hops.passed(b",".join(via), self.mark)
+                except LoopDetected as loop:
+                    await error_response(loop)(scope, receive, send)
+                    return
         await self.rest(scope, receive, send)
 
 
@@ -120,6 +140,9 @@ class AppOptions:
     health_timeout: float = 1.0
     stall_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    # The address the router listens on (host, port), to refuse it as an engine; None:
+    # not known (in-process tests).
+    listen: tuple[str, int] | None = None
 
 
 def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
@@ -127,10 +150,13 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
-    membership: Membership = LocalMembership(fleet)
+    probes = options.health_interval > 0
+    membership: Membership = LocalMembership(fleet, probes)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
-        membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
+        membership = SharedFleet(fleet, fleet.pool, probes)
+    lag = LoopLag()
+    admit = partial(_admit, router, options.health_timeout, lag)
 
     async def models(request: Request) -> Response:
         # From what the model watch read: a caller costs the engines nothing.
@@ -165,7 +191,6 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        lag = LoopLag()
         try:
             async with anyio.create_task_group() as tg:
                 stopping = router.stopping = anyio.Event()
@@ -193,7 +218,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(
                         supervise,
                         "DNS discovery",
-                        partial(_discover, router, router.discovery, membership, options, lag),
+                        partial(_discover, router, router.discovery, membership, admit),
                     )
                 for name, work in [*fleet.pool.background(), *membership.background()]:
                     tg.start_soon(supervise, name, work)
@@ -216,7 +241,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
-        routes.extend(admin_routes(router, options.admin_token, remote, membership))
+        own = partial(_own, options.listen)
+        routes.extend(admin_routes(router, options.admin_token, remote, membership, own, admit))
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:
@@ -240,26 +266,30 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     # A redirect to the path without its slash would name the host the client's Host header
     # says; a 404 that names the right path serves the client better.
     rest.router.redirect_slashes = False
-    return RouterApp(openai, rest)
+    return RouterApp(openai, rest, router.mark)
 
 
 async def _discover(
     router: Router,
     discovery: Discovery,
     membership: Membership,
-    options: AppOptions,
-    lag: LoopLag,
+    admit: Callable[[Node], Coroutine[Any, Any, None]],
 ) -> None:
     # Lookups give up well before the next round is due, and never wait under a second.
     resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))
-    fleet = router.fleet
+    await discover_forever(discovery, router.fleet, membership, resolver.lookup, admit)
 
-    async def admit(node: Node) -> None:
-        # Its models first: the good probe makes it serving.
-        await learn_models(fleet, router.upstream, node)
-        await probe(fleet, router.upstream, node, options.health_timeout, lag)
 
-    await discover_forever(discovery, fleet, membership, resolver.lookup, admit)
+async def _admit(router: Router, timeout: float, lag: LoopLag, node: Node) -> None:
+    """A new node's first probe, at once: one that answers serves within a round trip, not
+    at the prober's next tick. Its models first: the good probe makes it serving."""
+    await learn_models(router.fleet, router.upstream, node)
+    await probe(router.fleet, router.upstream, node, timeout, lag)
+
+
+def _own(listen: tuple[str, int] | None, url: str) -> bool:
+    """Whether ``url`` is this router's listening address, as far as it can tell."""
+    return listen is not None and hops.own_address(url, *listen, socket.gethostname())
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

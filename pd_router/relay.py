@@ -39,6 +39,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from pd_router.discovery.rules import Discovery
+from pd_router.edge import hops
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -86,6 +87,9 @@ class Router:
     stopping: anyio.Event | None = None
     # The names nodes are discovered by (--prefill-dns, --decode-dns), if any.
     discovery: Discovery | None = None
+    # What this router adds to the marks of what it sends to engines (``edge/hops.py``);
+    # one for all its --workers.
+    mark: str = field(default_factory=hops.new_mark)
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -98,6 +102,7 @@ class Router:
 
     def __post_init__(self) -> None:
         self.telemetry = Telemetry(self.fleet, self.discovery)
+        self.upstream.mark = self.mark.encode()
 
 
 class Relay:
@@ -105,9 +110,17 @@ class Relay:
     _reservation: Reservation
 
     def __init__(
-        self, router: Router, endpoint: Endpoint, body: dict[str, Any], request_id: str
+        self,
+        router: Router,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request_id: str,
+        via: bytes = b"",
     ) -> None:
+        """``via``: the marks of the routers it passed through, this one's last
+        (``edge/hops.py``), sent to the engines."""
         self.router = router
+        self.via = via
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
@@ -405,7 +418,9 @@ class Relay:
     async def _send(self, node: Node, body: dict[str, Any]) -> Response:
         """One request to ``node``; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(node.url + self.path, body, self.request_id)
+            answer = await self.router.upstream.post(
+                node.url + self.path, body, self.request_id, self.via
+            )
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)

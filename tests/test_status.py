@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.sim.fleet import ServerProcess, SimFleet, free_port
+from pd_router.sim.fleet import EngineProcess, ServerProcess, SimFleet, free_port
 from pd_router.status import NodeRow, Snapshot, format_table, from_admin, from_metrics
 from tests.helpers import RawClient, RouterProcess, flush_state, slots_in_use, wait_for
 from tests.redis_server import RedisServer
@@ -142,27 +142,25 @@ def test_status_of_an_unreachable_router_fails_clearly() -> None:
     assert f"router at {url}: cannot reach it" in done.stderr
 
 
-def test_nodes_added_through_the_admin_api_keep_their_labels(
-    router: RouterProcess, fleet: SimFleet
-) -> None:
+def test_nodes_added_through_the_admin_api_keep_their_labels(router: RouterProcess) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     nodes = f"{router.url}/admin/nodes"
-    spec = {"url": fleet.prefill[0].url, "role": "prefill", "labels": {"zone": "b"}}
-    bad = httpx.post(nodes, json={**spec, "labels": {"zone": 1}}, headers=auth, timeout=10)
-    assert bad.status_code == 400 and "label 'zone' must be a string" in bad.text
-    added = httpx.post(nodes, json=spec, headers=auth, timeout=10)
-    assert added.status_code == 201 and added.json()["labels"] == {"zone": "b"}
-    node_id = added.json()["id"]
-    try:
-        done = status("--url", router.url, token=TOKEN)
-        assert done.returncode == 0, done.stderr
-        # Same URL as node 0, so look the row up by id.
-        table = [line.split() for line in done.stdout.splitlines()]
-        row = next(cells for cells in table if cells[:1] == [str(node_id)])
-        assert row[1:3] == ["prefill", "serving"] and row[-1] == "zone=b"
-    finally:
-        httpx.post(f"{nodes}/{node_id}/drain", headers=auth, timeout=10)
-        assert httpx.delete(f"{nodes}/{node_id}", headers=auth, timeout=10).status_code == 200
+    with EngineProcess("prefill") as engine:
+        spec = {"url": engine.url, "role": "prefill", "labels": {"zone": "b"}}
+        bad = httpx.post(nodes, json={**spec, "labels": {"zone": 1}}, headers=auth, timeout=10)
+        assert bad.status_code == 400 and "label 'zone' must be a string" in bad.text
+        added = httpx.post(nodes, json=spec, headers=auth, timeout=10)
+        assert added.status_code == 201 and added.json()["labels"] == {"zone": "b"}
+        node_id = added.json()["id"]
+        try:
+            done = status("--url", router.url, token=TOKEN)
+            assert done.returncode == 0, done.stderr
+            table = [line.split() for line in done.stdout.splitlines()]
+            row = next(cells for cells in table if cells[:1] == [str(node_id)])
+            assert row[1:3] == ["prefill", "serving"] and row[-1] == "zone=b"
+        finally:
+            httpx.post(f"{nodes}/{node_id}/drain", headers=auth, timeout=10)
+            assert httpx.delete(f"{nodes}/{node_id}", headers=auth, timeout=10).status_code == 200
 
 
 # Without a server

@@ -29,7 +29,7 @@ from pd_router.engines.connection import (
     ProtocolViolation,
     ReadTimeout,
 )
-from pd_router.errors import Evidence, UpstreamError, engine_message
+from pd_router.errors import Evidence, LoopDetected, UpstreamError, engine_message
 from pd_router.fleet.nodes import Failure
 
 # Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
@@ -155,9 +155,12 @@ class Response:
             return UpstreamError(message, kind="protocol")
         raw, _ = await self._read_at_most(ERROR_BODY_BYTES)
         kind = "http_4xx" if self.status < 500 else "http_5xx"
-        return UpstreamError(
-            f"{self.url}: {_message(self.url, self.status, raw)}", status=self.status, kind=kind
-        )
+        code = None
+        if self.status == LoopDetected.status:
+            # What a router answers when it sees its own mark come back.
+            kind, code = "loop", LoopDetected.code
+        message = f"{self.url}: {_message(self.url, self.status, raw)}"
+        return UpstreamError(message, status=self.status, code=code, kind=kind)
 
 
 def _message(url: str, status: int, raw: bytes) -> str:
@@ -183,6 +186,9 @@ class Upstream:
         # Per origin, idle connections, most recently used last (a dict is an ordered set).
         self._idle: dict[Origin, dict[EngineConnection, None]] = {}
         self._tls: ssl.SSLContext | None = None
+        # The router's mark (``edge/hops.py``; set by ``relay.Router``), sent with every probe
+        # and model read too, so that a router that is its own node answers them 508.
+        self.mark = b""
 
     async def close(self) -> None:
         for idle in self._idle.values():
@@ -190,20 +196,20 @@ class Upstream:
                 conn.close()
         self._idle.clear()
 
-    async def post(self, url: str, body: Any, request_id: str) -> Response:
+    async def post(self, url: str, body: Any, request_id: str, via: bytes = b"") -> Response:
         """POST ``body`` as JSON; returns once the engine's status and headers are in.
+        ``via``: the routers the request passed through, this one included (``edge/hops.py``).
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
-        return await self._request(
-            url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
-        )
+        headers = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via)
+        return await self._request(url, b"POST", orjson.dumps(body), headers)
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
         try:
             async with asyncio.timeout(timeout):
-                with await self._request(url, b"GET") as response:
+                with await self._request(url, b"GET", headers=_via(self.mark)) as response:
                     await response.read()
         except TimeoutError:
             message = f"health check: no answer within {timeout:g} s"
@@ -218,10 +224,14 @@ class Upstream:
             return Failure(kind, message, Evidence.SOFT)
         if response.status == 200:
             return None
+        if response.status == LoopDetected.status:
+            message = "health check answered 508: the node is this router, not an engine"
+            return Failure("loop", message, Evidence.FATAL)
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
 
-    async def get_json(self, url: str) -> Any:
-        with await self._request(url, b"GET") as response:
+    async def get_json(self, url: str, via: bytes = b"") -> Any:
+        """GET ``url``'s JSON; ``via`` as for ``post`` (by default, this router's mark)."""
+        with await self._request(url, b"GET", headers=_via(via or self.mark)) as response:
             if response.status != 200:
                 raise await response.error()
             raw = await response.read()
@@ -308,6 +318,10 @@ class Upstream:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
+
+
+def _via(marks: bytes) -> bytes:
+    return b"x-pd-router-via: " + marks + b"\r\n" if marks else b""
 
 
 def _failure(context: str, exc: BaseException) -> UpstreamError:

@@ -184,13 +184,9 @@ class SharedFleet:
         for node in nodes:
             args += [node.role, node.url, Record.of(node).body().decode(), "serving", ""]
         ids = await self._nodes(["adopt", self.router_id, *args])
-        seen: set[int] = set()
+        # One id per role and URL, and no URL twice in a role (``Fleet``).
         for node, node_id in zip(nodes, ids):
-            if node_id in seen:  # the same URL twice in the flags: one node
-                self.fleet.remove(node, force=True)
-            else:
-                node.id = int(node_id)
-                seen.add(node.id)
+            node.id = int(node_id)
         self._flagged, self._configured = self._configured, None
 
     async def _put_back(self, missing: list[Record]) -> None:
@@ -211,7 +207,7 @@ class SharedFleet:
             await self._put_back(missing)
             records, verdicts = await self._read()
         self.records = records
-        apply(self.fleet, records, verdicts, self._unsent)
+        apply(self.fleet, records, verdicts, self._unsent, self.probes)
         flagged, self._flagged = self._flagged, []
         for node, slots in flagged:
             if node.slots != slots and node in self.fleet.nodes:
