@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from pd_router.errors import Aborted, StateUnavailable
 from pd_router.fleet.membership import LocalMembership, Membership
-from pd_router.fleet.nodes import Node, check_labels, normalise_url
+from pd_router.fleet.nodes import Node, State, check_labels, normalise_url
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import Outcome, RemoteAborts
@@ -77,9 +77,13 @@ def admin_routes(
     token: str,
     remote: RemoteAborts | None = None,
     membership: Membership | None = None,
+    own: Callable[[str], bool] = lambda url: False,
+    admit: Callable[[Node], Awaitable[None]] | None = None,
 ) -> list[Route]:
     """``remote``: with a shared state, an abort reaches the router that holds the request;
-    ``membership``: where node changes go (with a shared state, to every router)."""
+    ``membership``: where node changes go (with a shared state, to every router); ``own``:
+    whether an engine URL is this router's own address; ``admit``: a joining node's first
+    probe, made before the answer."""
     fleet = router.fleet
     members = membership or LocalMembership(fleet)
     expected = f"Bearer {token}".encode()
@@ -145,11 +149,22 @@ def admin_routes(
             labels = check_labels(spec.get("labels", {}))
         except ValueError as exc:
             return _error(400, f"labels: {exc}", "bad_node", "labels")
+        if own(url):
+            message = (
+                f"url: {url} is this router's own address: a router is no engine of its own "
+                "(every request sent there would come back)"
+            )
+            return _error(400, message, "bad_node", "url")
+        role = spec["role"]
+        # One engine is one node: adding it again changes it, under its id.
+        known = fleet.find(role, url) is not None
         try:
-            node = await members.add(url, spec["role"], slots, labels)
+            node = await members.add(url, role, slots, labels)
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
-        return _json(node_view(node), 201)
+        if node.state is State.JOINING and admit is not None:
+            await admit(node)
+        return _json(node_view(node), 200 if known else 201)
 
     async def drain_node(request: Request) -> Response:
         node = find(request)

@@ -3,7 +3,8 @@ background work that lives as long as the app: the prober and graceful shutdown.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,7 @@ from pd_router.admin import abort_here, admin_routes
 from pd_router.discovery.loop import discover_forever
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery
+from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
@@ -37,14 +39,16 @@ from pd_router.engines.watch import (
 )
 from pd_router.errors import (
     AdminDisabled,
+    LoopDetected,
+    ModelsUnknown,
     NoRoute,
     PayloadTooLarge,
     RouterError,
     ShuttingDown,
     Unauthorized,
-    UpstreamError,
 )
 from pd_router.fleet.membership import LocalMembership, Membership
+from pd_router.fleet.models import listing as model_listing
 from pd_router.fleet.nodes import Node
 from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router
@@ -68,21 +72,27 @@ class OpenAIRoute:
         self.router = router
         self.endpoint = endpoint
         self.max_body_bytes = max_body_bytes
+        self.mark = router.mark.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = b""
         rid_header: str | None = None
         authorization: bytes | None = None
+        via: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 rid_header = value.decode("latin-1")
             elif name == b"content-length":
                 declared = value
+            elif name == hops.HEADER:
+                via = value if via is None else via + b"," + value
             elif name == b"authorization":
                 authorization = value
         rid = request_id(rid_header)
         key = None
         try:
+            # First: a loop is refused before anything of it is read or held.
+            onward = hops.passed(via, self.mark)
             if self.router.keys is not None:
                 # Before the body is read: a client without a key costs no memory either.
                 key = self.router.keys.keys.check(authorization)
@@ -93,7 +103,7 @@ class OpenAIRoute:
                 self.router.telemetry.count(self.endpoint, "client_aborted", _name(key))
                 return
             body = parse_body(raw, self.endpoint)
-            relay = Relay(self.router, self.endpoint, body, rid, key)
+            relay = Relay(self.router, self.endpoint, body, rid, onward, key)
         except RouterError as error:
             outcome = error.outcome or "bad_request"
             self.router.telemetry.count(self.endpoint, outcome, _name(key))
@@ -111,10 +121,15 @@ class RouterApp:
     those routes' other methods included, is the Starlette app's."""
 
     def __init__(
-        self, openai: dict[str, OpenAIRoute], rest: Starlette, keys: KeyFile | None = None
+        self,
+        openai: dict[str, OpenAIRoute],
+        rest: Starlette,
+        mark: str,
+        keys: KeyFile | None = None,
     ) -> None:
         self.openai = openai
         self.rest = rest
+        self.mark = mark.encode()
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -123,6 +138,14 @@ class RouterApp:
                 route = self.openai.get(scope["path"])
                 if route is not None:
                     await route(scope, receive, send)  # checks the key itself
+                    return
+            # A probe or a model read of a router that is its own node, say.
+            via = [value for name, value in scope["headers"] if name == hops.HEADER]
+            if via:
+                try:
+                    hops.passed(b",".join(via), self.mark)
+                except LoopDetected as loop:
+                    await error_response(loop)(scope, receive, send)
                     return
             if self.keys is not None and scope["path"].startswith("/v1/"):
                 # Every /v1/ path, /v1/models and those that do not exist included: without
@@ -147,6 +170,9 @@ class AppOptions:
     health_timeout: float = 1.0
     stall_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    # The address the router listens on (host, port), to refuse it as an engine; None:
+    # not known (in-process tests).
+    listen: tuple[str, int] | None = None
 
 
 def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
@@ -154,41 +180,22 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
-    membership: Membership = LocalMembership(fleet)
+    probes = options.health_interval > 0
+    membership: Membership = LocalMembership(fleet, probes)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
-        membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
+        membership = SharedFleet(fleet, fleet.pool, probes)
+    lag = LoopLag()
+    admit = partial(_admit, router, options.health_timeout, lag)
 
     async def models(request: Request) -> Response:
+        # From what the model watch read: a caller costs the engines nothing.
         serving = set(fleet.serving_view())
-        nodes = [node for node in fleet.nodes if node.id in serving]
-        answers: list[Any] = [None] * len(nodes)
-        refused: list[UpstreamError] = []
-
-        async def ask(index: int, node: Node) -> None:
-            try:
-                answers[index] = await router.upstream.get_json(node.url + "/v1/models")
-            except UpstreamError as error:
-                if error.code == "engine_unauthorized":
-                    message = f"{node.role} engine {error.message}"
-                    refused.append(UpstreamError(message, status=error.status, code=error.code))
-
-        with anyio.move_on_after(10):
-            async with anyio.create_task_group() as tg:
-                for index, node in enumerate(nodes):
-                    tg.start_soon(ask, index, node)
-        seen: dict[str, Any] = {}
-        for answer in answers:
-            data = answer.get("data") if isinstance(answer, dict) else None
-            for model in data if isinstance(data, list) else ():
-                if isinstance(model, dict) and isinstance(model.get("id"), str):
-                    seen.setdefault(model["id"], model)
-        if not seen:
-            if refused:
-                # The router's --engine-api-key is wrong: say so, not "no answer".
-                return error_response(refused[0])
-            return error_response(UpstreamError("no engine answered /v1/models", status=503))
-        return _json({"object": "list", "data": list(seen.values())})
+        listed = model_listing(node for node in fleet.nodes if node.id in serving)
+        if listed is None:
+            message = "no serving engine's model list has been read yet"
+            return error_response(ModelsUnknown(message))
+        return _json({"object": "list", "data": listed})
 
     async def health(request: Request) -> Response:
         pool = fleet.pool
@@ -214,7 +221,6 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        lag = LoopLag()
         try:
             async with anyio.create_task_group() as tg:
                 stopping = router.stopping = anyio.Event()
@@ -230,8 +236,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         membership.may_probe,
                     )
                     tg.start_soon(supervise, "the prober", prober)
-                    learn = partial(watch_models, fleet, router.upstream, options.health_interval)
-                    tg.start_soon(supervise, "the model watch", learn)
+                # Not a probe: one small GET per node every 30 s, which routing by model and
+                # GET /v1/models need whether or not the engines are probed.
+                tick = options.health_interval or 1.0
+                learn = partial(watch_models, fleet, router.upstream, tick)
+                tg.start_soon(supervise, "the model watch", learn)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
@@ -239,7 +248,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(
                         supervise,
                         "DNS discovery",
-                        partial(_discover, router, router.discovery, membership, options, lag),
+                        partial(_discover, router, router.discovery, membership, admit),
                     )
                 background = [
                     *fleet.pool.background(),
@@ -269,7 +278,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     if options.admin_token:
-        routes.extend(admin_routes(router, options.admin_token, remote, membership))
+        own = partial(_own, options.listen)
+        routes.extend(admin_routes(router, options.admin_token, remote, membership, own, admit))
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:
@@ -293,26 +303,30 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     # A redirect to the path without its slash would name the host the client's Host header
     # says; a 404 that names the right path serves the client better.
     rest.router.redirect_slashes = False
-    return RouterApp(openai, rest, router.keys)
+    return RouterApp(openai, rest, router.mark, router.keys)
 
 
 async def _discover(
     router: Router,
     discovery: Discovery,
     membership: Membership,
-    options: AppOptions,
-    lag: LoopLag,
+    admit: Callable[[Node], Coroutine[Any, Any, None]],
 ) -> None:
     # Lookups give up well before the next round is due, and never wait under a second.
     resolver = Resolver(discovery.server, timeout=max(1.0, min(5.0, discovery.interval)))
-    fleet = router.fleet
+    await discover_forever(discovery, router.fleet, membership, resolver.lookup, admit)
 
-    async def admit(node: Node) -> None:
-        # Its models first: the good probe makes it serving.
-        await learn_models(fleet, router.upstream, node)
-        await probe(fleet, router.upstream, node, options.health_timeout, lag)
 
-    await discover_forever(discovery, fleet, membership, resolver.lookup, admit)
+async def _admit(router: Router, timeout: float, lag: LoopLag, node: Node) -> None:
+    """A new node's first probe, at once: one that answers serves within a round trip, not
+    at the prober's next tick. Its models first: the good probe makes it serving."""
+    await learn_models(router.fleet, router.upstream, node)
+    await probe(router.fleet, router.upstream, node, timeout, lag)
+
+
+def _own(listen: tuple[str, int] | None, url: str) -> bool:
+    """Whether ``url`` is this router's listening address, as far as it can tell."""
+    return listen is not None and hops.own_address(url, *listen, socket.gethostname())
 
 
 async def _end_stragglers(router: Router, stopping: anyio.Event, timeout: float) -> None:

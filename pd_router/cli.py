@@ -10,7 +10,14 @@ from collections.abc import Sequence
 
 from pd_router import demo, status
 from pd_router.parser import suggest
-from pd_router.serve import build_router, listen, parse_router_args, router_parser, serve
+from pd_router.serve import (
+    build_router,
+    listen,
+    parse_router_args,
+    refuse_own_address,
+    router_parser,
+    serve,
+)
 
 COMMANDS = ("demo", "status")
 
@@ -32,4 +39,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         router = build_router(args)
     except ValueError as exc:
         parser.error(str(exc))
-    serve(args, router, listen(parser, args))
+    sock = listen(parser, args)
+    refuse_own_address(parser, args, router)
+    serve(args, router, sock)

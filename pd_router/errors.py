@@ -133,6 +133,15 @@ class ModelNotFound(BadRequest):
         super().__init__(message, param="model")
 
 
+class LoopDetected(BadRequest):
+    """A request that came back to a router it already passed through (``edge/hops.py``):
+    an engine URL leads back to a router. Refused before any slot is taken."""
+
+    status = 508
+    code = "loop_detected"
+    outcome = "loop_detected"
+
+
 class HeadTooLarge(BadRequest):
     """A request line and headers over ``--max-header-bytes`` (``edge/protocol.py``)."""
 
@@ -192,7 +201,9 @@ class UpstreamError(RouterError):
     already serves may be fine), and, saying nothing against the node: ``http_4xx`` (the
     request's fault), ``timeout`` (the request's own outcome, 504), ``stalled`` (the stall
     watch ended it), ``node_dead`` (another request found the engine dead) and
-    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's).
+    ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's);
+    and ``loop`` (a 508 ``loop_detected``: the node leads back to a router the request
+    passed through, so it is no engine: fatal, the node is dead at once).
     ``tls`` (a TLS handshake failed) is soft: an engine whose certificate is not trusted,
     or which refuses the router's, is routed around once unhealthy, never made dead, so
     that when every node fails so (the router's own settings are wrong) they all still
@@ -234,6 +245,7 @@ class UpstreamError(RouterError):
 
 _EVIDENCE = {
     "unreachable": Evidence.FATAL,
+    "loop": Evidence.FATAL,
     "broken_stream": Evidence.HARD,
     "protocol": Evidence.HARD,
     "http_5xx": Evidence.SOFT,
@@ -272,6 +284,12 @@ class Unavailable(RouterError):
     code = "no_live_node"
     outcome = "no_live_node"
     retry_after = "1"
+
+
+class ModelsUnknown(Unavailable):
+    """``GET /v1/models`` before the router has read any serving engine's list."""
+
+    code = "models_unknown"
 
 
 class ShuttingDown(Unavailable):

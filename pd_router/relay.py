@@ -39,6 +39,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from pd_router.discovery.rules import Discovery
+from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
@@ -93,6 +94,9 @@ class Router:
     keys: KeyFile | None = None
     # Requests in flight per key, for keys with a max_in_flight (the fleet's with --state).
     key_limits: KeyLimits = field(default_factory=KeyLimits)
+    # What this router adds to the marks of what it sends to engines (``edge/hops.py``);
+    # one for all its --workers.
+    mark: str = field(default_factory=hops.new_mark)
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -105,6 +109,7 @@ class Router:
 
     def __post_init__(self) -> None:
         self.telemetry = Telemetry(self.fleet, self.discovery, keys=self.keys is not None)
+        self.upstream.mark = self.mark.encode()
 
 
 class Relay:
@@ -117,9 +122,13 @@ class Relay:
         endpoint: Endpoint,
         body: dict[str, Any],
         request_id: str,
+        via: bytes = b"",
         key: Key | None = None,
     ) -> None:
+        """``via``: the marks of the routers it passed through, this one's last
+        (``edge/hops.py``), sent to the engines."""
         self.router = router
+        self.via = via
         # The client's key (--api-keys-file); its name, never the key, is what is shown.
         self.key = key
         self.key_name = "" if key is None else key.name
@@ -434,7 +443,9 @@ class Relay:
     async def _send(self, node: Node, body: dict[str, Any]) -> Response:
         """One request to ``node``; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(node.url + self.path, body, self.request_id)
+            answer = await self.router.upstream.post(
+                node.url + self.path, body, self.request_id, self.via
+            )
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)

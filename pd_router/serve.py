@@ -27,6 +27,7 @@ from pd_router import config, workers
 from pd_router.app import MAX_BODY_BYTES, AppOptions, create_app
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery, Group
+from pd_router.edge import hops
 from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.protocol import (
     BODY_TIMEOUT,
@@ -345,7 +346,9 @@ def _shown(default: Any) -> str:
     return str(default)
 
 
-def build_router(args: argparse.Namespace) -> Router:
+def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
+    """``mark``: the loop mark (``edge/hops.py``) of the router this one is a worker of;
+    None: a new router, a new mark."""
     prefill = make_nodes(args.prefill or [], 1, role="prefill")
     decode = make_nodes(args.decode or [], args.decode_slots, first_id=len(prefill))
     names = [*(args.prefill_dns or []), *(args.decode_dns or [])]
@@ -385,6 +388,7 @@ def build_router(args: argparse.Namespace) -> Router:
         discovery=discovery,
         keys=None if args.api_keys_file is None else KeyFile(args.api_keys_file),
         key_limits=key_limits,
+        mark=mark or hops.new_mark(),
     )
 
 
@@ -399,6 +403,20 @@ def _check_serving_tls(certfile: str | None, keyfile: str | None) -> None:
     except (OSError, ssl.SSLError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"--ssl-certfile {certfile}: {reason}") from None
+
+
+def refuse_own_address(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, router: Router
+) -> None:
+    """Exit 2 if a configured node is the address the router listens on: every request
+    sent there would come back to it."""
+    for node in router.fleet.nodes:
+        if hops.own_address(node.url, args.host, args.port, socket.gethostname()):
+            parser.exit(
+                2,
+                f"{parser.prog}: error: {node.role} node {node.url} is this router's own "
+                f"address ({address(args.host, args.port)}): a router is no engine of its own\n",
+            )
 
 
 class _Server(uvicorn.Server):
@@ -470,13 +488,15 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
     logs.configure(args.log_level, args.log_format)
     # ``router`` was the check that the flags make one; it is not a worker's: each must be a
     # router of its own to the shared pool (its own id and lease), so each builds its own.
-    code = workers.supervise(args.workers, partial(_work, args, sock), sock)
+    code = workers.supervise(args.workers, partial(_work, args, sock, router.mark), sock)
     if code:
         raise SystemExit(code)
 
 
-def _work(args: argparse.Namespace, sock: socket.socket, worker: int) -> None:
-    _serve(args, build_router(args), sock, worker)
+def _work(args: argparse.Namespace, sock: socket.socket, mark: str, worker: int) -> None:
+    # One mark for every worker: a request that comes back through another worker of this
+    # router came back all the same.
+    _serve(args, build_router(args, mark), sock, worker)
 
 
 def _serve(
@@ -492,6 +512,7 @@ def _serve(
         health_timeout=args.health_timeout,
         stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        listen=(args.host, args.port),
     )
     limits = ClientLimits(
         max_head=args.max_header_bytes,

@@ -25,6 +25,8 @@ from pd_router.parser import Parser, parse
 
 # The router's own variable for --admin-token, so one export serves both.
 ADMIN_ENV = ENV_PREFIX + "ADMIN_TOKEN"
+# Model ids shown per node; more are counted (+N).
+MODELS_SHOWN = 3
 
 
 class StatusError(Exception):
@@ -48,6 +50,9 @@ class NodeRow:
     reason: str | None = None
     # static, admin, or the DNS name that lists it (dns:vllm-decode:8200).
     source: str = "static"
+    # What its /v1/models lists; [] while not read yet (an engine's list is never empty);
+    # None: the source does not say (/metrics).
+    models: list[str] | None = None
 
 
 @dataclass
@@ -113,6 +118,7 @@ def from_admin(document: Any) -> Snapshot:
                 last_error=node.get("last_error"),
                 reason=node.get("reason"),
                 source=str(node.get("source", "static")),
+                models=[str(model) for model in node.get("models") or ()],
             )
             for node in document["nodes"]
         ]
@@ -134,9 +140,11 @@ def format_table(snapshot: Snapshot, router: str) -> str:
     serving = sum(node.state == "serving" for node in nodes)
     decode = [node for node in nodes if node.role == "decode"]
     in_flight = snapshot.in_flight if routers is None else sum(routers.values())
+    slots = f"{sum(_used(n, routers) for n in decode)}/{sum(n.slots for n in decode)} in use"
+    if routers is not None:
+        slots += f" ({sum(n.in_use for n in decode)} by this router)"
     summary = (
-        f"pd-router {router}: {serving} of {len(nodes)} nodes serving, "
-        f"decode slots {sum(n.in_use for n in decode)}/{sum(n.slots for n in decode)} in use, "
+        f"pd-router {router}: {serving} of {len(nodes)} nodes serving, decode slots {slots}, "
         f"{snapshot.queue_depth} queued, {in_flight} in flight"
     )
     if routers is not None:
@@ -148,20 +156,23 @@ def format_table(snapshot: Snapshot, router: str) -> str:
     with_requests = any(node.requests is not None for node in nodes)
     with_labels = any(node.labels for node in nodes)
     with_sources = any(node.source != "static" for node in nodes)
+    with_models = any(node.models is not None for node in nodes)
     header = ["ID", "ROLE", "STATE", "SLOTS", "FAILURES"]
     header += ["REQUESTS"] * with_requests + ["URL"] + ["SOURCE"] * with_sources
-    header += ["LABELS"] * with_labels
+    header += ["MODELS"] * with_models + ["LABELS"] * with_labels
     table = [header]
     for node in nodes:
         # Prefill nodes' too: /metrics and /admin/nodes give them, and a "-" read as a
         # value the source did not have.
-        slots = f"{node.in_use}/{node.slots}"
+        slots = f"{_used(node, routers)}/{node.slots}"
         row = [str(node.id), node.role, node.state, slots, str(node.failures)]
         if with_requests:
             row.append("-" if node.requests is None else str(node.requests))
         row.append(node.url)
         if with_sources:
             row.append(node.source)
+        if with_models:
+            row.append(_models(node.models))
         if with_labels:
             row.append(",".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items())))
         table.append(row)
@@ -177,6 +188,21 @@ def format_table(snapshot: Snapshot, router: str) -> str:
         lines.append("")
         lines += [_note(node) for node in notes]
     return "\n".join(lines) + "\n"
+
+
+def _used(node: NodeRow, routers: dict[str, int] | None) -> int:
+    """A decode node's slots in use: with a shared state, every router's (one per request
+    in flight on it, as the routers last published them, at most ~1 s old)."""
+    if routers is None or node.role != "decode" or node.requests is None:
+        return node.in_use
+    return node.requests
+
+
+def _models(models: list[str] | None) -> str:
+    if not models:
+        return "?"  # not read yet: the node takes any model
+    shown = ",".join(models[:MODELS_SHOWN])
+    return shown + (f",+{len(models) - MODELS_SHOWN}" if len(models) > MODELS_SHOWN else "")
 
 
 def _note(node: NodeRow) -> str:

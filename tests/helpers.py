@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -114,3 +115,47 @@ def queued(state_url: str) -> int:
     (one per model)."""
     models = _redis(state_url, "SMEMBERS", "{pdr}:queues")
     return sum(int(_redis(state_url, "ZCARD", f"{{pdr}}:queue:{m.decode()}")) for m in models)
+
+
+class Forwarder:
+    """A TCP port on 127.0.0.1 that forwards every connection to ``port``: another address of
+    the same server, as a Service or a load balancer in front of it would be."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=30)
+            except OSError:
+                return  # closed
+            self.connections += 1
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __enter__(self) -> Forwarder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        source.close()

@@ -72,6 +72,20 @@ def endless(status: int, piece: int = 1 << 20) -> Lie:
     return write
 
 
+def endless_header(size: int, piece: int = 1 << 20) -> Lie:
+    """A status line, then one header line ``size`` bytes long that never ends."""
+
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-endless: ")
+        chunk = b"x" * piece
+        for _ in range(size // piece):
+            writer.write(chunk)
+            await writer.drain()
+        await asyncio.sleep(3600)  # and no more: the router must not wait for the rest
+
+    return write
+
+
 class LyingEngine:
     def __init__(self) -> None:
         self.lies: dict[str, Lie] = {}

@@ -43,7 +43,9 @@ class RedisServer:
         password: str | None = None,
         persistence: bool = False,
         tls: trustme.LeafCert | None = None,
+        debug: bool = False,
     ) -> None:
+        """``debug``: DEBUG SLEEP and the other DEBUG commands allowed (a test's faults)."""
         executable = shutil.which("redis-server")
         if executable is None:
             raise RuntimeError(MISSING)
@@ -51,6 +53,7 @@ class RedisServer:
         self.password = password
         self.persistence = persistence
         self.tls = tls
+        self.debug = debug
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="pd-router-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -93,6 +96,8 @@ class RedisServer:
             args += ["--save", "", "--appendonly", "no"]
         if self.password is not None:
             args += ["--requirepass", self.password]
+        if self.debug:
+            args += ["--enable-debug-command", "yes"]
         if self.tls is None:
             args += ["--port", str(self.port)]
         else:

@@ -107,11 +107,6 @@ def test_a_wrong_engine_key_is_the_engines_401_and_kills_no_node(fleet: SimFleet
             assert error.code == "engine_unauthorized"
             engine = f"prefill engine {fleet.prefill[0].url}/v1/completions: Unauthorized"
             assert engine in error.message and "--engine-api-key" in error.message
-        with pytest.raises(openai.AuthenticationError) as refused:
-            client.models.list()
-        assert refused.value.code == "engine_unauthorized"
-        assert " engine http://127.0.0.1:" in refused.value.message
-        assert "--engine-api-key" in refused.value.message
         # The requests, and the reads of its models.
         assert fleet.prefill[0].stats()["unauthorized"] >= 4
         # Past --unhealthy-after refused requests, and five probe intervals: no node is

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.sim.fleet import ServerProcess, SimFleet, free_port
+from pd_router.sim.fleet import EngineProcess, ServerProcess, SimFleet, free_port
 from pd_router.status import NodeRow, Snapshot, format_table, from_admin, from_metrics
-from tests.helpers import RawClient, RouterProcess, wait_for
+from tests.helpers import RawClient, RouterProcess, flush_state, slots_in_use, wait_for
+from tests.redis_server import RedisServer
 
 TOKEN = "status-test-token"
 
@@ -141,27 +142,25 @@ def test_status_of_an_unreachable_router_fails_clearly() -> None:
     assert f"router at {url}: cannot reach it" in done.stderr
 
 
-def test_nodes_added_through_the_admin_api_keep_their_labels(
-    router: RouterProcess, fleet: SimFleet
-) -> None:
+def test_nodes_added_through_the_admin_api_keep_their_labels(router: RouterProcess) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     nodes = f"{router.url}/admin/nodes"
-    spec = {"url": fleet.prefill[0].url, "role": "prefill", "labels": {"zone": "b"}}
-    bad = httpx.post(nodes, json={**spec, "labels": {"zone": 1}}, headers=auth, timeout=10)
-    assert bad.status_code == 400 and "label 'zone' must be a string" in bad.text
-    added = httpx.post(nodes, json=spec, headers=auth, timeout=10)
-    assert added.status_code == 201 and added.json()["labels"] == {"zone": "b"}
-    node_id = added.json()["id"]
-    try:
-        done = status("--url", router.url, token=TOKEN)
-        assert done.returncode == 0, done.stderr
-        # Same URL as node 0, so look the row up by id.
-        table = [line.split() for line in done.stdout.splitlines()]
-        row = next(cells for cells in table if cells[:1] == [str(node_id)])
-        assert row[1:3] == ["prefill", "serving"] and row[-1] == "zone=b"
-    finally:
-        httpx.post(f"{nodes}/{node_id}/drain", headers=auth, timeout=10)
-        assert httpx.delete(f"{nodes}/{node_id}", headers=auth, timeout=10).status_code == 200
+    with EngineProcess("prefill") as engine:
+        spec = {"url": engine.url, "role": "prefill", "labels": {"zone": "b"}}
+        bad = httpx.post(nodes, json={**spec, "labels": {"zone": 1}}, headers=auth, timeout=10)
+        assert bad.status_code == 400 and "label 'zone' must be a string" in bad.text
+        added = httpx.post(nodes, json=spec, headers=auth, timeout=10)
+        assert added.status_code == 201 and added.json()["labels"] == {"zone": "b"}
+        node_id = added.json()["id"]
+        try:
+            done = status("--url", router.url, token=TOKEN)
+            assert done.returncode == 0, done.stderr
+            table = [line.split() for line in done.stdout.splitlines()]
+            row = next(cells for cells in table if cells[:1] == [str(node_id)])
+            assert row[1:3] == ["prefill", "serving"] and row[-1] == "zone=b"
+        finally:
+            httpx.post(f"{nodes}/{node_id}/drain", headers=auth, timeout=10)
+            assert httpx.delete(f"{nodes}/{node_id}", headers=auth, timeout=10).status_code == 200
 
 
 # Without a server
@@ -291,11 +290,17 @@ def test_from_admin() -> None:
         "consecutive_failures": 0,
         "last_error": None,
         "labels": {"zone": "b"},
+        "models": ["alpha", "beta"],
     }
     document = {"nodes": [node], "queue_depth": 0, "in_flight": 2, "shutting_down": False}
     assert from_admin(document).nodes == [
-        NodeRow(4, "decode", "http://d0:8200", "serving", 8, 2, 0, {"zone": "b"}, 2, None)
-    ]
+        NodeRow(
+            4, "decode", "http://d0:8200", "serving", 8, 2, 0, {"zone": "b"}, 2, None,
+            models=["alpha", "beta"],
+        )
+    ]  # fmt: skip
+    (unread,) = from_admin({**document, "nodes": [{**node, "models": None}]}).nodes
+    assert unread.models == []
 
 
 def test_with_a_shared_state_requests_are_every_routers() -> None:
@@ -326,3 +331,60 @@ def test_with_a_shared_state_requests_are_every_routers() -> None:
         "router r2: 4 in flight",
         "router r3: 0 in flight",
     ]
+
+
+def test_with_a_shared_state_slots_are_the_fleets_and_this_routers_share_is_said() -> None:
+    """The header said 'decode slots 1/2 in use' while both were: only the asked router's."""
+    shared = NodeRow(1, "decode", "http://d0:8200", "serving", 2, 1, 0, {}, 2, models=["m"])
+    other = NodeRow(2, "decode", "http://d1:8200", "serving", 4, 0, 0, {}, 1, models=[])
+    prefill = NodeRow(0, "prefill", "http://p0:8100", "serving", 1, 0, 0, {}, 1, models=["m"])
+    many = [f"m{i}" for i in range(5)]
+    wide = NodeRow(3, "decode", "http://d2:8200", "serving", 1, 0, 0, {}, 0, models=many)
+    snapshot = Snapshot([prefill, shared, other, wide], routers={"r1": 2, "r2": 1})
+    assert format_table(snapshot, "http://r").splitlines()[:7] == [
+        "pd-router http://r: 4 of 4 nodes serving, decode slots 3/7 in use (1 by this router), "
+        "0 queued, 3 in flight on 2 routers",
+        "",
+        "ID  ROLE     STATE    SLOTS  FAILURES  REQUESTS  URL             MODELS",
+        "0   prefill  serving  0/1    0         1         http://p0:8100  m",
+        "1   decode   serving  2/2    0         2         http://d0:8200  m",
+        "2   decode   serving  1/4    0         1         http://d1:8200  ?",
+        "3   decode   serving  0/1    0         0         http://d2:8200  m0,m1,m2,+2",
+    ]
+
+
+def test_status_of_routers_sharing_a_state_counts_every_routers_slots(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    prefill, decode = [fleet.prefill[0].url], [fleet.decode[1].url + ",slots=2"]
+    args = ("--state", redis_server.url, "--admin-token", TOKEN, "--health-interval", "0.2")
+    flush_state(redis_server.url)
+    fleet.decode[1].configure(itl=0.2)
+    body = {"model": "sim-model", "prompt": "slow stream", "max_tokens": 50, "stream": True}
+    streams: list[RawClient] = []
+    try:
+        with (
+            RouterProcess(prefill, decode, *args) as one,
+            RouterProcess(prefill, decode, *args) as two,
+        ):
+            for router in (one, two):  # one stream through each
+                streams.append(RawClient(router.url, "/v1/completions", body))
+                streams[-1].read_until(b"data: ")
+            wait_for(
+                lambda: "decode slots 2/2 in use (1 by this router)"
+                in status("--url", one.url, token=TOKEN).stdout,
+                what="both routers' slots in the header",
+            )
+            done = status("--url", one.url, token=TOKEN)
+            for stream in streams:
+                stream.hang_up()
+            wait_for(lambda: slots_in_use(redis_server.url) == 0, what="Redis's count")
+    finally:
+        fleet.decode[1].configure(itl=0)
+    assert done.returncode == 0, done.stderr
+    assert "2 in flight on 2 routers" in done.stdout
+    header = done.stdout.splitlines()[2].split()
+    row = rows(done.stdout)[fleet.decode[1].url]
+    assert header[:6] == ["ID", "ROLE", "STATE", "SLOTS", "FAILURES", "REQUESTS"]
+    assert header[-1] == "MODELS" and row[-1] == "sim-model"
+    assert row[1:6] == ["decode", "serving", "2/2", "0", "2"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_router.fleet.membership import DNS_SOURCE
-from pd_router.fleet.nodes import Role, check_labels, parse_slots
+from pd_router.fleet.nodes import Role, check_labels, normalise_url, parse_slots
 
 Outcome = Literal["ok", "empty", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "empty", "failed")
@@ -128,8 +128,11 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
 
 
 def url(address: str, port: int) -> str:
-    """A node's URL, and so its identity, from an IP address."""
-    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+    """A node's URL, and so its identity, from an IP address: canonical as every other
+    source's (``fleet/nodes.py``), so that an address also given by URL is one node."""
+    return normalise_url(
+        f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+    )
 
 
 @dataclass(frozen=True)

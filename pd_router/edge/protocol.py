@@ -14,8 +14,10 @@ or by opening connections until ``accept`` fails for every other client too. Her
   ``MIN_BODY_RATE`` bytes a second, or the rest of it, or it gets 408 (before its response
   began; after, the connection is just closed) and the app's ``receive()`` sees
   ``http.disconnect``, so the request ends and its resources are released;
-* beyond ``max_connections`` open connections, a new one gets 503 ``too_many_connections``
-  before anything of it is read, and the connections already open are untouched;
+* beyond ``max_connections`` open connections, ``CONTROL_CONNECTIONS`` more may carry only
+  the operator's requests (``/admin/*``, ``/health``, ``/metrics``; any other gets 503
+  ``too_many_connections`` and the connection is closed); beyond those a new one gets the
+  503 before anything of it is read; the connections already open are untouched;
 * on shutdown a request still coming in gets 503 ``shutting_down`` at once, instead of
   holding the process until its client finishes it; responses in progress go on (the
   app's ``--shutdown-timeout`` bounds them), idle connections close (uvicorn).
@@ -40,6 +42,7 @@ from typing import Any, Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pd_router.errors import (
@@ -73,6 +76,12 @@ LINGER = 2.0
 # File descriptors the process needs besides client and engine connections: the listening
 # socket, the event loop's, logs, a health probe per engine, engine connections pooled idle.
 FD_RESERVE = 64
+
+# Connections over ``--max-connections`` that may carry only the operator's requests
+# (``/admin/*``, ``/health``, ``/metrics``): whatever the data plane holds, an operator can
+# still see the fleet and remove a bad node, and a load balancer can still probe. The
+# file descriptors come out of ``FD_RESERVE``.
+CONTROL_CONNECTIONS = 16
 
 REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connections", "shutdown")
 
@@ -136,12 +145,14 @@ class ClientProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.stats.open += 1
         cap = self.limits.max_connections
-        if self.stats.open > cap:
+        if self.stats.open > cap + CONTROL_CONNECTIONS:
             error = TooManyConnections(f"the router holds its limit of {cap} client connections")
             self._close_with("too_many_connections", error)
-        else:
-            # Sending nothing holds a file descriptor as surely as sending slowly.
-            self._watch(self.limits.header_timeout)
+            return
+        if self.stats.open > cap:
+            self.app = _control_only(self.app, cap, self.stats)
+        # Sending nothing holds a file descriptor as surely as sending slowly.
+        self._watch(self.limits.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stats.open -= 1
@@ -257,6 +268,32 @@ class ClientProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         self._unwatch()
         self._timer = self.loop.call_later(LINGER, self.transport.close)
+
+
+def _control_only(app: ASGIApp, cap: int, stats: ClientStats) -> ASGIApp:
+    """``app`` for the operator's requests only: a connection over the cap."""
+
+    async def control(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if path.startswith("/admin/") or path in ("/health", "/metrics"):
+            await app(scope, receive, send)
+            return
+        stats.closed["too_many_connections"] += 1
+        error = TooManyConnections(
+            f"the router holds its limit of {cap} client connections; beyond it only "
+            "/admin/*, /health and /metrics are served"
+        )
+        body = error.json()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *((k.lower().encode(), v.encode()) for k, v in error.headers.items()),
+        ]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return control
 
 
 def _answer(error: RouterError) -> bytes:

@@ -30,7 +30,7 @@ from pd_router.engines.connection import (
     ReadTimeout,
     TlsRefused,
 )
-from pd_router.errors import Evidence, UpstreamError, engine_message
+from pd_router.errors import Evidence, LoopDetected, UpstreamError, engine_message
 from pd_router.fleet.nodes import Failure
 
 # Idle connections are dropped before the engine's server does (uvicorn, and so vLLM,
@@ -158,8 +158,11 @@ class Response:
             return UpstreamError(message, kind="protocol")
         raw, _ = await self._read_at_most(ERROR_BODY_BYTES)
         kind = "http_4xx" if self.status < 500 else "http_5xx"
-        message = f"{self.url}: {_message(self.url, self.status, raw)}"
         code = None
+        if self.status == LoopDetected.status:
+            # What a router answers when it sees its own mark come back.
+            kind, code = "loop", LoopDetected.code
+        message = f"{self.url}: {_message(self.url, self.status, raw)}"
         if self.status in REFUSED:
             # Told apart from the client's own 401 (invalid_api_key): the router's key is
             # the one refused, and no client can fix that.
@@ -230,6 +233,9 @@ class Upstream:
         self._auth = auth_header(api_key)
         # Health URLs refusing the router's credentials now: warned about once, not per probe.
         self._refusing: set[str] = set()
+        # The router's mark (``edge/hops.py``; set by ``relay.Router``), sent with every probe
+        # and model read too, so that a router that is its own node answers them 508.
+        self.mark = b""
 
     async def close(self) -> None:
         for idle in self._idle.values():
@@ -237,20 +243,20 @@ class Upstream:
                 conn.close()
         self._idle.clear()
 
-    async def post(self, url: str, body: Any, request_id: str) -> Response:
+    async def post(self, url: str, body: Any, request_id: str, via: bytes = b"") -> Response:
         """POST ``body`` as JSON; returns once the engine's status and headers are in.
+        ``via``: the routers the request passed through, this one included (``edge/hops.py``).
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
-        return await self._request(
-            url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
-        )
+        headers = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via)
+        return await self._request(url, b"POST", orjson.dumps(body), headers)
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
         try:
             async with asyncio.timeout(timeout):
-                with await self._request(url, b"GET") as response:
+                with await self._request(url, b"GET", headers=_via(self.mark)) as response:
                     await response.read()
         except TimeoutError:
             message = f"health check: no answer within {timeout:g} s"
@@ -271,6 +277,9 @@ class Upstream:
         if response.status in REFUSED:
             self._refused(url, f"{url}: answered HTTP {response.status}")
             return None
+        if response.status == LoopDetected.status:
+            message = "health check answered 508: the node is this router, not an engine"
+            return Failure("loop", message, Evidence.FATAL)
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
 
     def _refused(self, url: str, message: str) -> None:
@@ -288,8 +297,9 @@ class Upstream:
                 message,
             )
 
-    async def get_json(self, url: str) -> Any:
-        with await self._request(url, b"GET") as response:
+    async def get_json(self, url: str, via: bytes = b"") -> Any:
+        """GET ``url``'s JSON; ``via`` as for ``post`` (by default, this router's mark)."""
+        with await self._request(url, b"GET", headers=_via(via or self.mark)) as response:
             if response.status != 200:
                 raise await response.error()
             raw = await response.read()
@@ -381,6 +391,10 @@ class Upstream:
         return self._tls
 
 
+def _via(marks: bytes) -> bytes:
+    return b"x-pd-router-via: " + marks + b"\r\n" if marks else b""
+
+
 def tls_failure(url: str, exc: ssl.SSLError | TlsRefused) -> UpstreamError:
     """A TLS handshake that failed, one way or the other: the engine's certificate not
     trusted (``--engine-ca``), or the router's refused or missing (``--engine-cert``)."""
@@ -401,9 +415,9 @@ def _failure(url: str, what: str, exc: BaseException) -> UpstreamError:
         # The request's own outcome (504), not a verdict on the engine: a long answer is
         # not a failure, and a hung engine is the stall watch's to find.
         return UpstreamError(message, status=504, code="timeout", kind="timeout")
-    return UpstreamError(
-        message, kind="protocol" if isinstance(exc, ProtocolViolation) else "broken_stream"
-    )
+    if isinstance(exc, ProtocolViolation):
+        return UpstreamError(message, kind="protocol", code=exc.code)
+    return UpstreamError(message, kind="broken_stream")
 
 
 def _describe(exc: BaseException) -> str:

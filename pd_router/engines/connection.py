@@ -25,6 +25,10 @@ from pd_router.errors import fresh
 # Engine bytes not yet taken by the relay; above this the socket stops being read, so a
 # slow client slows the engine down (TCP back-pressure) instead of growing our memory.
 HIGH_WATER = 256 << 10
+# An answer's status line and headers, at most: as a client's head (``edge/protocol.py``),
+# httptools takes time quadratic in a header's size (64 MiB held the loop 2.5 s), and an
+# engine's head is a few hundred bytes.
+MAX_HEAD = 64 << 10
 
 
 class ConnectionLost(ConnectionError):
@@ -43,6 +47,14 @@ class TlsRefused(ConnectionLost):
 
 class ProtocolViolation(ValueError):
     """The engine's bytes are not HTTP/1.1."""
+
+    code: str | None = None
+
+
+class HeadTooLarge(ProtocolViolation):
+    """The engine's status line and headers went on past ``MAX_HEAD`` bytes."""
+
+    code = "response_head_too_large"
 
 
 # What a lost connection parses with: the parser holds the connection's callbacks and the
@@ -69,6 +81,7 @@ class EngineConnection(asyncio.Protocol):
         self._keep_alive = False
         self._framed = False  # Content-Length or chunked: the end is not the peer closing
         self._expecting = False  # a request is out and its answer has not ended
+        self._head_room = MAX_HEAD  # head bytes the current answer may still send
         self.status = 0
         self.head_done = False
         self.complete = False
@@ -97,6 +110,18 @@ class EngineConnection(asyncio.Protocol):
             self._lose(ProtocolViolation("the engine sent bytes nobody asked for"))
             return
         try:
+            if not self.head_done:
+                # Only the head's allowance reaches the parser; what follows the head in
+                # the same bytes is fed once the parser has seen the head end.
+                room = self._head_room
+                self._head_room -= len(data)
+                if len(data) > room:
+                    self._parser.feed_data(data[:room])
+                    if not self.head_done:
+                        message = f"status line and headers larger than {MAX_HEAD} bytes"
+                        self._lose(HeadTooLarge(message))
+                        return
+                    data = data[room:]
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._lose(ProtocolViolation(f"invalid HTTP from the engine: {exc}"))
@@ -180,6 +205,7 @@ class EngineConnection(asyncio.Protocol):
         self.status = 0
         self.head_done = self.complete = self._framed = self._keep_alive = False
         self._expecting = True
+        self._head_room = MAX_HEAD
         self._transport.write(request)
 
     async def head(self, timeout: float) -> int:

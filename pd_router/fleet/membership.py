@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from pd_router.fleet.nodes import Node, Role, State
+from pd_router.fleet.nodes import Node, Role, State, normalise_url
 from pd_router.fleet.registry import Fleet
 
 # The reason a node drained by discovery shows; only such a drain is undone by its return.
@@ -34,8 +34,9 @@ Background = list[tuple[str, Callable[[], Awaitable[None]]]]
 
 class Membership(Protocol):
     async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
-        """The node serving with these slots and labels (with ``--state``, the same URL
-        keeps its id: adding it again changes it, under that id)."""
+        """The node of that role and (canonical) URL with these slots and labels: a new one,
+        joining (serving at once when nothing probes), or the one the fleet has, under its
+        id, drained no more."""
 
     async def drain(self, node: Node) -> None: ...
 
@@ -72,13 +73,19 @@ class Membership(Protocol):
 
 
 class LocalMembership:
-    """The fleet of this process only."""
+    """The fleet of this process only. ``probes``: this router probes its nodes, so a new
+    one joins (serves from its first good probe) whatever its source."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, probes: bool = True) -> None:
         self.fleet = fleet
+        self.probes = probes
 
     async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
-        return self.fleet.add(url, role, slots, labels=labels)
+        node = self.fleet.find(role, url)
+        if node is None:
+            return self.fleet.add(url, role, slots, labels=labels, joining=self.probes)
+        self.fleet.add_again(node, slots, labels)
+        return node
 
     async def drain(self, node: Node) -> None:
         self.fleet.drain(node)
@@ -98,7 +105,7 @@ class LocalMembership:
     async def discovered(
         self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
     ) -> Node:
-        return self.fleet.add(url, role, slots, labels=labels, source=source, joining=True)
+        return self.fleet.add(url, role, slots, labels=labels, source=source, joining=self.probes)
 
     async def gone(self, node: Node) -> None:
         self.fleet.drain(node, GONE)
@@ -149,7 +156,8 @@ class Record:
         if role not in ("prefill", "decode") or state not in ADMIN_STATES:
             raise ValueError(f"node {node_id}: role {role!r}, admin state {state!r}")
         labels = {str(k): str(v) for k, v in (document.get("labels") or {}).items()}
-        slots, url = int(document["slots"]), str(document["url"])
+        # Canonical, as every router writes it now (an older one may not have).
+        slots, url = int(document["slots"]), normalise_url(str(document["url"]))
         source = str(document.get("source", "static"))
         return cls(node_id, role, url, slots, labels, state, how == "forced", source, how == "gone")
 
@@ -201,16 +209,25 @@ def apply(
     records: Mapping[int, Record],
     verdicts: Mapping[int, Verdict],
     own: Container[Node] = (),
+    probes: bool = True,
 ) -> None:
     """Make ``fleet`` what the shared records say; ``own``: nodes whose verdict found here
-    has not reached Redis yet (the local one is the newer).
+    has not reached Redis yet (the local one is the newer); ``probes``: this router probes
+    (a node new to it joins, unless it comes from a router's flags).
 
     Nodes are matched by role and URL, and take the record's id: Redis's ids are the truth,
     and one that changed (a fleet put back after Redis lost it, while a new router took its
     ids) changes here too."""
     by_key = {(node.role, node.url): node for node in fleet.nodes}
+    seen: set[tuple[Role, str]] = set()
     for record in sorted(records.values(), key=lambda record: record.id):
-        node = by_key.get((record.role, record.url))
+        key = (record.role, record.url)
+        if key in seen:
+            # Two spellings of one engine written by routers older than the canonical URL
+            # (``nodes.normalise_url``): the older id is the node.
+            continue
+        seen.add(key)
+        node = by_key.get(key)
         if record.admin == "removed":
             if node is not None and (record.forced or not node.bound):
                 fleet.remove(node, force=True)  # a forced removal fails each request once
@@ -227,9 +244,9 @@ def apply(
                 record.slots,
                 labels=dict(record.labels),
                 source=record.source,
-                # As in one process: a discovered engine serves after a good probe, here
-                # or, told by its verdict, on another router.
-                joining=record.source.startswith(DNS_SOURCE),
+                # As in one process: an added or discovered engine serves after a good
+                # probe, here or, told by its verdict, on another router.
+                joining=probes and record.source != "static",
                 node_id=record.id,
             )
         else:

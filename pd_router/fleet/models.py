@@ -1,17 +1,21 @@
 """Which models each node serves, and whether the fleet serves a request's. No I/O.
 
-A node's models come from its engine's ``/v1/models`` (read by ``health.watch_models`` as
-the node starts and every ``REFRESH`` seconds after). Until they are known a node is taken
-to serve any model, so an engine that does not list its models still gets requests, and
-whatever it answers goes back to the client. A request's ``model`` must be served by some
-prefill node and some decode node (dead or draining ones count: they are members of the
-fleet, and their requests are told 503, not 404); otherwise it is answered 404
-``model_not_found`` naming the models that are served.
+A node's models come from its engine's ``/v1/models`` (read by ``engines/watch.py`` as
+the node starts and every ``REFRESH`` seconds after); the model objects are kept too, and
+the router's own ``GET /v1/models`` answers from them (``listing``), never asking an
+engine. Until they are known a node is taken to serve any model, so an engine that does
+not list its models still gets requests, and whatever it answers goes back to the client.
+A request's ``model`` must be served by some prefill node and some decode node (dead or
+draining ones count: they are members of the fleet, and their requests are told 503, not
+404); otherwise it is answered 404 ``model_not_found`` naming the models that are served.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
 
 from pd_router.errors import ModelNotFound
 from pd_router.fleet.nodes import Node
@@ -26,21 +30,63 @@ TIMEOUT = 5.0
 # what it serves, not to fill the router's memory.
 MAX_MODELS = 256
 MAX_ID = 512
+# Bytes of one model object (as JSON) kept whole; vLLM's are about 500. A larger one is
+# kept as its id and the OpenAI fields that are small (``small_card``).
+MAX_CARD = 2048
 # Served models named in one 404, at most.
 NAMED = 20
 
 
-def parse(answer: object) -> frozenset[str]:
-    """The model ids of a ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``)."""
+Card = dict[str, Any]
+
+
+def parse(answer: object) -> dict[str, Card]:
+    """The models of a ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``): each id's
+    object, in the engine's order. An id must be printable (it is logged)."""
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
         raise ValueError("not an OpenAI model list (no 'data' array)")
-    ids = [item.get("id") for item in data[:MAX_MODELS] if isinstance(item, dict)]
-    models = frozenset(i for i in ids if isinstance(i, str) and 0 < len(i) <= MAX_ID)
-    if not models:
+    cards: dict[str, Card] = {}
+    for item in data[:MAX_MODELS]:
+        name = item.get("id") if isinstance(item, dict) else None
+        if isinstance(name, str) and 0 < len(name) <= MAX_ID and name.isprintable():
+            cards.setdefault(name, item if _fits(item) else small_card(item))
+    if not cards:
         # Taken at its word, the node would get nothing; not knowing lets its engine answer.
         raise ValueError("lists no model")
-    return models
+    return cards
+
+
+def _fits(card: Card) -> bool:
+    try:
+        return len(orjson.dumps(card)) <= MAX_CARD
+    except TypeError:  # nested deeper than orjson writes (254 levels; it reads 1024)
+        return False
+
+
+def small_card(card: Card) -> Card:
+    """What is kept of a model object over ``MAX_CARD``: its id, and OpenAI's other fields
+    when they are what OpenAI says they are (short)."""
+    kept: Card = {"id": card["id"], "object": "model"}
+    created, owner = card.get("created"), card.get("owned_by")
+    if isinstance(created, int) and not isinstance(created, bool):
+        kept["created"] = created
+    if isinstance(owner, str) and len(owner) <= MAX_ID:
+        kept["owned_by"] = owner
+    return kept
+
+
+def listing(nodes: Iterable[Node]) -> list[Card] | None:
+    """What ``GET /v1/models`` lists for ``nodes``: each model of the lists read, once (the
+    first node's object); None when no node's list has been read yet."""
+    seen: dict[str, Card] = {}
+    known = False
+    for node in nodes:
+        if node.cards is not None:
+            known = True
+            for name, card in node.cards.items():
+                seen.setdefault(name, card)
+    return list(seen.values()) if known else None
 
 
 def offered(nodes: Iterable[Node]) -> frozenset[str] | None:

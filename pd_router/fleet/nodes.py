@@ -26,11 +26,13 @@ state follows from it by the rules below. Slow is not dead: two verdicts, two co
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pd_router.errors import Evidence
@@ -93,6 +95,9 @@ class Node:
     # The models the engine serves, from its /v1/models (``fleet/models.py``); None until known,
     # and a node whose models are not known is taken to serve any.
     models: frozenset[str] | None = None
+    # Their objects as the engine listed them (bounded, ``fleet/models.py``), by id: what
+    # the router's ``GET /v1/models`` answers with. None until known.
+    cards: dict[str, dict[str, Any]] | None = None
 
     @property
     def free(self) -> int:
@@ -213,12 +218,20 @@ def parse_slots(value: str, spec: str) -> int:
 
 
 _USERINFO = re.compile(r"//[^/@]*@")
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def normalise_url(url: str, spec: str | None = None) -> str:
-    """``http(s)://host[:port][/path]`` without a trailing slash; anything else is refused.
+    """The canonical ``http(s)://host[:port][/path]`` of an engine: a node's identity, with
+    its role. Anything else is refused.
 
-    Refused too: non-ASCII, spaces and control characters (they would be sent in a request
+    Canonical: scheme and host lower-cased, an IPv6 address in its short form
+    (``[0:0::1]`` is ``[::1]``), the port without leading zeros and left out when it is the
+    scheme's default (``http://e:80`` is ``http://e``), no trailing slash. A name is not
+    resolved: ``localhost`` and ``127.0.0.1`` are two spellings the router cannot tell are
+    one engine (a name may list several addresses, and change).
+
+    Refused: non-ASCII, spaces and control characters (they would be sent in a request
     line), a port outside 1-65535, credentials (they would show in logs and metrics), a
     query or a fragment (the router appends the API's paths).
     """
@@ -227,9 +240,14 @@ def normalise_url(url: str, spec: str | None = None) -> str:
     text = url.strip()
     if not text.isascii() or not text.isprintable() or any(c.isspace() for c in text):
         raise ValueError(f"{shown!r}: a URL must be ASCII, with no spaces or control characters")
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{shown!r}: expected an http(s)://host:port URL")
+    expected = f"{shown!r}: expected an http(s)://host:port URL"
+    try:
+        parts = urlsplit(text)
+        host = parts.hostname
+    except ValueError:  # a bracketed host that is no IPv6 address
+        raise ValueError(expected) from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(expected)
     if "@" in parts.netloc:
         raise ValueError(f"{shown!r}: credentials in an engine URL are not supported")
     try:
@@ -240,7 +258,13 @@ def normalise_url(url: str, spec: str | None = None) -> str:
         raise ValueError(f"{shown!r}: the port must be a whole number from 1 to 65535")
     if parts.query or parts.fragment:
         raise ValueError(f"{shown!r}: an engine URL takes no query or fragment")
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    if ":" in host:
+        with contextlib.suppress(ValueError):  # a zone (fe80::1%eth0) stays as written
+            host = ipaddress.IPv6Address(host).compressed
+        host = f"[{host}]"
+    if port is not None and port != DEFAULT_PORTS[parts.scheme]:
+        host = f"{host}:{port}"
+    return f"{parts.scheme}://{host}{parts.path.rstrip('/')}"
 
 
 def parse_node(spec: str, default_slots: int) -> tuple[str, int]:

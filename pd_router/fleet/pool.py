@@ -119,9 +119,28 @@ class DecodePool:
     def no_live(self, model: str | None) -> str:
         """What a request for ``model`` is told when no node takes it: the model is named
         when it is why (some node does not serve it)."""
+        named = self._reason(model)
+        return "no live decode node" if named is None else f"no live decode node serves {named}"
+
+    def busy(self, model: str | None) -> Busy:
+        """No slot free now (fail fast), the model named when it is why."""
+        named = self._reason(model)
+        return Busy(
+            "all decode nodes busy" if named is None else f"all decode nodes serving {named} busy"
+        )
+
+    def waited_out(self, model: str | None, waited: float) -> QueueTimeout:
+        """No slot came free in ``waited`` seconds, the model named when it is why."""
+        named = self._reason(model)
+        nodes = "decode node" if named is None else f"decode node serving {named}"
+        return QueueTimeout(f"no {nodes} free after waiting {waited:.1f}s")
+
+    def _reason(self, model: str | None) -> str | None:
+        """``model``, quoted, when it is why a request is refused: some node does not serve it
+        (a fleet serving one model keeps the messages that do not name it)."""
         if model is None or all(node.serves(model) for node in self.nodes):
-            return "no live decode node"
-        return f"no live decode node serves {model!r}"
+            return None
+        return repr(model)
 
     def accept(self, model: str | None) -> tuple[State, ...]:
         """The states a request for ``model`` may land on: ``usable`` over its nodes."""
@@ -170,7 +189,7 @@ class DecodePool:
         if not self.live_for(model):
             raise Unavailable(self.no_live(model))
         if timeout <= 0:
-            raise Busy("all decode nodes busy")
+            raise self.busy(model)
         waiter = Waiter(model, next(self._arrivals))
         self._queues.setdefault(model, deque()).append(waiter)
         started = anyio.current_time()
@@ -186,7 +205,7 @@ class DecodePool:
         if waiter.node is None:
             # Timed out; a hand-off that raced with the deadline is kept, not wasted.
             self._dequeue(waiter)
-            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+            raise self.waited_out(model, waited)
         self.acquired += 1
         return Reservation(self, waiter.node, waited)
 

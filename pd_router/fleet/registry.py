@@ -31,10 +31,25 @@ log = logging.getLogger("pd_router.fleet")
 
 # A joining node's reason for not serving.
 JOINING = "not yet probed"
+# What a node that leads back to a router the request passed through is found to be
+# (``edge/hops.py``), and how long such a node is kept out, whatever its probes say.
+LOOP = "loop"
+LOOP_HOLD = 60.0
 
 
 def _named(node: Node) -> tuple[str, int, str]:
     return node.role, node.id, node.url
+
+
+def _one_node_per_engine(nodes: list[Node]) -> None:
+    seen: set[tuple[Role, str]] = set()
+    for node in nodes:
+        if (node.role, node.url) in seen:
+            raise ValueError(
+                f"{node.role} node {node.url} is given twice: one engine is one node "
+                "(give it once, with its slots)"
+            )
+        seen.add((node.role, node.url))
 
 
 class Handle(Protocol):
@@ -84,6 +99,7 @@ class Fleet:
     ) -> None:
         self.policy = policy or HealthPolicy()
         self.clock = clock
+        _one_node_per_engine([*prefill, *decode])
         self.prefill = POLICIES[prefill_policy](prefill)
         # In-process by default; shared by every router on one Redis with ``--state``.
         self.pool = pool(decode)
@@ -103,6 +119,12 @@ class Fleet:
 
     def node(self, node_id: int) -> Node | None:
         return next((node for node in self.nodes if node.id == node_id), None)
+
+    def find(self, role: Role, url: str) -> Node | None:
+        """The node of the engine at ``url`` (canonical, ``nodes.normalise_url``) in ``role``:
+        one engine is one node."""
+        group = self.pool.nodes if role == "decode" else self.prefill.nodes
+        return next((node for node in group if node.url == url), None)
 
     def serving_view(self) -> list[int]:
         """Original nodes minus dead minus draining minus unhealthy (unless none of a role is
@@ -162,6 +184,10 @@ class Fleet:
         """``reporter``, the request that saw the failure, already has its own error and
         deals with it (a request the engine never got goes to another node): the node's
         death does not fail it."""
+        if failure.kind == LOOP:
+            # Only a request shows a loop through another router (whose /health is fine):
+            # the probes would readmit the node, and the next request would loop again.
+            node.hold_until = max(node.hold_until, self.clock() + LOOP_HOLD)
         state = node.failed(failure, self.policy)
         if state is State.DEAD:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
@@ -195,13 +221,15 @@ class Fleet:
             self._changed()
             self.on_verdict(node)
 
-    def learned(self, node: Node, models: frozenset[str]) -> None:
-        """The models ``node``'s engine serves, as it listed them just now."""
-        if node.models == models:
+    def learned(self, node: Node, cards: dict[str, models.Card]) -> None:
+        """The models ``node``'s engine serves, as it listed them just now (by id)."""
+        node.cards = cards
+        served = frozenset(cards)
+        if node.models == served:
             return
         verb = "serves" if node.models is None else "now serves"
-        node.models = models
-        log.info("%s node %s (%s) %s: %s", *_named(node), verb, ", ".join(sorted(models)))
+        node.models = served
+        log.info("%s node %s (%s) %s: %s", *_named(node), verb, ", ".join(sorted(served)))
         self._changed()
 
     # What another router found (``--state``): the same consequences, no echo
@@ -298,7 +326,10 @@ class Fleet:
         node_id: int | None = None,
     ) -> Node:
         """A new node, under a new id unless ``node_id`` (the shared fleet's) is given;
-        ``joining``: it takes no request before its first good probe (``Node.probed``)."""
+        ``joining``: it takes no request before its first good probe (``Node.probed``).
+        Refused for an engine the fleet has in that role (``add_again`` changes it)."""
+        if self.find(role, url) is not None:
+            raise ValueError(f"{role} node {url} is in the fleet already")
         node_id = self._next_id if node_id is None else node_id
         node = Node(id=node_id, url=url, slots=slots, role=role, labels=labels or {}, source=source)
         if joining:
@@ -307,6 +338,13 @@ class Fleet:
         (self.pool.nodes if role == "decode" else self.prefill.nodes).append(node)
         self._changed()
         return node
+
+    def add_again(self, node: Node, slots: int, labels: dict[str, str]) -> None:
+        """An operator added a node the fleet has: it keeps its id and takes these slots and
+        labels; a drained one serves again. Its health stays what the evidence says."""
+        node.labels = labels
+        self.resize(node, slots)
+        self.undrain(node)
 
     def drain(self, node: Node, reason: str = "drained") -> None:
         if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):

@@ -26,7 +26,16 @@ class JsonFormatter(logging.Formatter):
         document.update(getattr(record, "fields", {}))
         if record.exc_info:
             document["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(document).decode()
+        return escaped(orjson.dumps(document).decode())
+
+
+class TextFormatter(logging.Formatter):
+    """One line per message: text a message quotes from outside (an engine's error message)
+    can neither start another line nor reorder what a terminal shows. A traceback, added
+    after the message, keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escaped(super().formatMessage(record))
 
 
 def configure(level: str, fmt: str) -> None:
@@ -34,7 +43,7 @@ def configure(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -53,8 +62,26 @@ def request_finished(fields: dict[str, Any]) -> None:
 
 
 def _shown(value: object) -> object:
-    """A client's string (a model name) quoted when it has spaces or control characters,
-    so that it cannot pass for other fields or another line."""
+    """A client's string (a model name) quoted when it has spaces or characters that are not
+    printable, so that it cannot pass for other fields or another line, nor reorder what a
+    terminal shows (bidi controls)."""
     if isinstance(value, str) and (not value.isprintable() or " " in value):
-        return orjson.dumps(value).decode()
+        return escaped(orjson.dumps(value).decode())
     return value
+
+
+def escaped(text: str) -> str:
+    """JSON text with every character that is not printable as a ``\\u`` escape: JSON
+    escapes only C0 controls, and leaves DEL, C1 controls, bidi overrides (U+202A-U+202E,
+    U+2066-U+2069), line separators and zero-width characters raw. Outside strings JSON
+    has none of them, so the text means what it did."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(ord(c)) for c in text)
+
+
+def _escape(point: int) -> str:
+    if point < 0x10000:
+        return f"\\u{point:04x}"
+    point -= 0x10000  # a UTF-16 surrogate pair, as JSON spells what lies beyond the BMP
+    return f"\\u{0xD800 + (point >> 10):04x}\\u{0xDC00 + (point & 0x3FF):04x}"

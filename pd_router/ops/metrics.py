@@ -40,6 +40,7 @@ OUTCOMES = (
     "shutting_down",
     "bad_request",
     "model_not_found",
+    "loop_detected",
     "timeout",
     "stalled",
     "state_unavailable",

@@ -59,7 +59,9 @@ class RemoteAborts:
                     while True:
                         name, data = await channel.next_message()
                         message = orjson.loads(data)
-                        if name.decode() == CHANNEL:
+                        if not isinstance(message, dict):
+                            log.error("abort channel: %r is not an abort; skipped", data[:200])
+                        elif name.decode() == CHANNEL:
                             await self._asked(message)
                         else:
                             self._answered(message)
@@ -78,7 +80,10 @@ class RemoteAborts:
 
     def _answered(self, message: dict[str, Any]) -> None:
         waiting = self._waiting.get(str(message.get("token")))
-        if waiting is not None:
+        status, document = message.get("status"), message.get("document")
+        if not isinstance(status, int) or not isinstance(document, dict):
+            log.error("abort channel: %r is not an answer; skipped", message)
+        elif waiting is not None:
             done, answers = waiting
-            answers.append((int(message["status"]), message["document"]))
+            answers.append((status, document))
             done.set()

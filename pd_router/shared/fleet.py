@@ -183,14 +183,10 @@ class SharedFleet:
         args: list[str] = []
         for node in nodes:
             args += [node.role, node.url, Record.of(node).body().decode(), "serving", ""]
-        ids = await self._run(_NODES, ["adopt", self.router_id, *args])
-        seen: set[int] = set()
+        ids = await self._nodes(["adopt", self.router_id, *args])
+        # One id per role and URL, and no URL twice in a role (``Fleet``).
         for node, node_id in zip(nodes, ids):
-            if node_id in seen:  # the same URL twice in the flags: one node
-                self.fleet.remove(node, force=True)
-            else:
-                node.id = int(node_id)
-                seen.add(node.id)
+            node.id = int(node_id)
         self._flagged, self._configured = self._configured, None
 
     async def _put_back(self, missing: list[Record]) -> None:
@@ -199,7 +195,7 @@ class SharedFleet:
         args: list[str] = []
         for r in missing:
             args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
-        await self._run(_NODES, ["adopt", self.router_id, *args])
+        await self._nodes(["adopt", self.router_id, *args])
         log.warning("the shared state had lost %d nodes of the fleet: put back", len(missing))
 
     async def _sync(self) -> None:
@@ -211,7 +207,7 @@ class SharedFleet:
             await self._put_back(missing)
             records, verdicts = await self._read()
         self.records = records
-        apply(self.fleet, records, verdicts, self._unsent)
+        apply(self.fleet, records, verdicts, self._unsent, self.probes)
         flagged, self._flagged = self._flagged, []
         for node, slots in flagged:
             if node.slots != slots and node in self.fleet.nodes:
@@ -244,7 +240,7 @@ class SharedFleet:
         async with self._locked():
             await self._adopt()
             args = [how, self.router_id, record.role, record.url, body, "serving", ""]
-            (node_id,) = await self._run(_NODES, args)
+            (node_id,) = await self._nodes(args)
             await self._sync()
         return self.fleet.node(node_id)
 
@@ -359,12 +355,32 @@ class SharedFleet:
             self._lock = anyio.Lock()
         return self._lock
 
+    async def _nodes(self, args: Sequence[str]) -> list[int]:
+        """``NODES``: the nodes' ids; what it found wrong logged."""
+        ids, bad = await self._run(_NODES, args)
+        SharedPool.noted(bad)
+        return [int(node_id) for node_id in ids]
+
     async def _run(self, script: Script, args: Sequence[str | bytes]) -> Any:
         try:
             return await script.run(self.redis, (), args)
-        except (RedisUnavailable, RedisError) as exc:
+        except RedisUnavailable as exc:
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        except RedisError as error:
+            # Logged, never shown: an admin's answer carries no script's error text.
+            log.error("shared fleet: redis %s answered: %s", self.redis.settings.address, error)
+            raise StateUnavailable(
+                f"shared state unavailable: redis {self.redis.settings.address} answered "
+                f"{error.code} (the router's log says more)"
+            ) from None
 
 
 def _counts(pairs: list[bytes]) -> dict[int, int]:
-    return {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+    """A router's requests per node; a pair that is not (id, count) is logged and skipped."""
+    counts: dict[int, int] = {}
+    for key, value in zip(pairs[::2], pairs[1::2]):
+        try:
+            counts[int(key)] = int(value)
+        except ValueError:
+            log.error("shared fleet: requests in flight %r on node %r unreadable", value, key)
+    return counts

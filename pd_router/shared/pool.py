@@ -22,6 +22,16 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
   (Redis restarted empty, or its own lease ended) writes back what it holds.
 * Redis away: new requests get 503 ``shared state unavailable`` and ``available`` is
   false (``/health`` says 503); requests in flight go on.
+* A call given up on (a timeout, a lost connection, an error reply) may have run, or may
+  run later: its outcome is unknown. Reservation ids are numbers, increasing; each
+  renewal sends the floor (every lower id is settled: held, waiting, or given up) and the
+  ids held or waiting, and Redis gives back or drops every other entry of this router
+  below the floor, and refuses an acquire below it (``scripts``: "Unknown outcomes"). A
+  failed call asks for a renewal at once, sent again until Redis takes it.
+* What Redis holds is checked: the scripts repair bad values and say which (logged here
+  at ERROR); a script that fails on the store's data (a key of the wrong type) has the
+  store repaired (``REPAIR``), this router registered again and the call tried once more.
+  A client never sees Redis's error text.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pd_router.errors import Busy, QueueTimeout, RouterError, StateUnavailable, Unavailable, fresh
+from pd_router.errors import RouterError, StateUnavailable, Unavailable, fresh
 from pd_router.fleet.nodes import Node, usable
 from pd_router.fleet.pool import DecodePool, Reservation, Waiter
 from pd_router.shared import scripts
@@ -54,6 +64,12 @@ _RELEASE = Script(scripts.RELEASE)
 _ABANDON = Script(scripts.ABANDON)
 _RENEW = Script(scripts.RENEW)
 _REGISTER = Script(scripts.REGISTER)
+_REPAIR = Script(scripts.REPAIR)
+# Error replies that say Redis cannot serve now, not that the store holds bad data.
+_TRANSIENT = frozenset(
+    {"BUSY", "LOADING", "MASTERDOWN", "READONLY", "OOM", "TRYAGAIN", "CLUSTERDOWN",
+     "NOREPLICAS", "MISCONF", "NOAUTH", "NOPERM", "WRONGPASS"}
+)  # fmt: skip
 
 
 class SharedReservation(Reservation):
@@ -75,6 +91,11 @@ class SharedPool(DecodePool):
         self._waiting: dict[str, Waiter] = {}
         # Those of them that are in Redis's queue (the others' scripts have not answered).
         self._queued: set[str] = set()
+        # The last reservation id given, and those whose acquire has not answered yet.
+        self._last_id = 0
+        self._calling: set[int] = set()
+        # The store's last error logged (logged again only once calls have succeeded).
+        self._failing: str | None = None
         # Run before each registration (a start, a lost lease, a Redis that lost its data):
         # the shared fleet adopts, or puts back, the nodes whose slots it writes.
         self.before_register: Callable[[], Awaitable[None]] | None = None
@@ -103,13 +124,13 @@ class SharedPool(DecodePool):
     async def acquire_now(
         self, avoid: Node | None = None, model: str | None = None
     ) -> Reservation | None:
-        reply = await self._acquire(secrets.token_hex(8), False, avoid, model)
+        reply = await self._acquire(self._new_id(), False, avoid, model)
         return reply if isinstance(reply, Reservation) else None
 
     async def acquire(self, timeout: float, model: str | None = None) -> Reservation:
         if not self.live_for(model):
             raise Unavailable(self.no_live(model))
-        resid = secrets.token_hex(8)
+        resid = self._new_id()
         started = anyio.current_time()
         # Known before Redis can hand it a slot: the listener may hear of the grant before
         # this task hears the script's own reply.
@@ -119,7 +140,7 @@ class SharedPool(DecodePool):
             if isinstance(reply, Reservation):
                 return reply
             if reply == "busy":
-                raise Busy("all decode nodes busy")
+                raise self.busy(model)
             if reply != "queued":
                 raise StateUnavailable(f"shared state unavailable: {reply} after registering")
             self._queued.add(resid)
@@ -143,7 +164,7 @@ class SharedPool(DecodePool):
                 self._send(("release", resid, waiter.node.url))
             raise fresh(waiter.error)
         if waiter.node is None:
-            raise QueueTimeout(f"no decode node free after waiting {waited:.1f}s")
+            raise self.waited_out(model, waited)
         return self._hold(resid, waiter.node, waited)
 
     def wake(self) -> None:
@@ -184,12 +205,24 @@ class SharedPool(DecodePool):
         args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
         args += self._takes(nodes)
         started = anyio.current_time()
+        number = int(resid)
+        self._calling.add(number)
         # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
-        with anyio.CancelScope(shield=True):
-            reply = await self._run(_ACQUIRE, args)
-            if reply[0] == b"unknown":  # Redis lost this router's registration
-                await self._renew()
+        try:
+            with anyio.CancelScope(shield=True):
                 reply = await self._run(_ACQUIRE, args)
+                if reply[0] in (b"unknown", b"stale"):
+                    # Redis lost this router's registration, or the slots of a node (lost,
+                    # or dropped as bad): the renewal writes them back.
+                    await self._renew()
+                    reply = await self._run(_ACQUIRE, args)
+                elif reply[-1]:
+                    await self._renew()  # what Redis could not repair, before others read it
+        except Unavailable:
+            self.wake()  # the script may have run, or may still: settled by the renewal
+            raise
+        finally:
+            self._calling.discard(number)
         if reply[0] == b"ok":
             node = self._by_url(reply[1].decode())
             if node is None:  # removed here since
@@ -204,7 +237,9 @@ class SharedPool(DecodePool):
             try:
                 reply = await self._run(_ABANDON, [self.router_id, resid, _key(model)])
             except Unavailable:
-                # The entry stays; a slot handed to it comes back through the listener.
+                # The entry may stay: the renewal, asked for now, drops it or gives back
+                # the slot handed to it.
+                self.wake()
                 return None
         if reply[0] != b"granted":
             return None
@@ -233,15 +268,59 @@ class SharedPool(DecodePool):
     def _by_url(self, url: str) -> Node | None:
         return next((node for node in self.nodes if node.url == url), None)
 
-    async def _run(self, script: Script, args: Sequence[str]) -> Any:
+    def _new_id(self) -> str:
+        self._last_id += 1
+        return str(self._last_id)
+
+    def _floor(self) -> int:
+        """The lowest reservation id whose acquire may still answer: every lower one is
+        settled (held, waiting, or given up on)."""
+        return min(self._calling, default=self._last_id + 1)
+
+    async def _run(self, script: Script, args: Sequence[str], repair: bool = True) -> Any:
+        """The script's reply, its notes on bad values logged; a failure on the store's
+        data (not Redis being away) repairs the store, registers again and tries once more."""
         try:
             reply = await script.run(self.redis, (), args)
-        except (RedisUnavailable, RedisError) as exc:
+        except RedisUnavailable as exc:
             self.available = False
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        except RedisError as error:
+            if error.code in _TRANSIENT or not repair:
+                self.available = False
+                raise self._failed(error) from None
+            self._failed(error)
+            await self._repair()
+            return await self._run(script, args, repair=False)
+        self._failing = None
+        self.noted(reply if script is _REPAIR else reply[-1])
         return reply
 
-    async def _register(self) -> None:
+    def _failed(self, error: RedisError) -> StateUnavailable:
+        """Logged (once while it lasts); what the client is told names no script's error."""
+        if str(error) != self._failing:
+            self._failing = str(error)
+            log.error("shared state: redis %s answered: %s", self.redis.settings.address, error)
+        return StateUnavailable(
+            f"shared state unavailable: redis {self.redis.settings.address} answered "
+            f"{error.code} (the router's log says more)"
+        )
+
+    async def _repair(self) -> None:
+        """Keys of a wrong type deleted, counts made again, what this router holds and
+        who waits written back (as after a Redis that lost its data)."""
+        await self._run(_REPAIR, [], repair=False)
+        await self._register(repair=False)
+
+    @staticmethod
+    def noted(bad: Sequence[bytes]) -> None:
+        """What a script found wrong in the store (and repaired), logged at ERROR."""
+        for at in range(0, len(bad) - 3, 4):
+            key, field, value, done = (item.decode(errors="replace") for item in bad[at : at + 4])
+            where = f"{key} field {field!r}" if field else key
+            log.error("shared state: %s held %r, not what it should: %s", where, value, done)
+
+    async def _register(self, repair: bool = True) -> None:
         """Tell Redis what this router holds and who waits, with its lease: after a start,
         a lost lease, or a Redis that lost its data."""
         if self.before_register is not None:
@@ -254,11 +333,12 @@ class SharedPool(DecodePool):
             for item in (resid, _key(waiter.model))
         ]
         args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]
-        await self._run(_REGISTER, args)
+        await self._run(_REGISTER, args, repair)
 
     def _lease_and_slots(self) -> list[str]:
         slots = [item for node in self.nodes for item in (node.url, str(node.slots))]
-        return [self.router_id, str(int(self.lease * 1000)), str(len(self.nodes)), *slots]
+        lease = str(int(self.lease * 1000))
+        return [self.router_id, lease, str(self._floor()), str(len(self.nodes)), *slots]
 
     def _send(self, job: Job) -> None:
         self._jobs.send_nowait(job)
@@ -292,8 +372,11 @@ class SharedPool(DecodePool):
                             self._granted(resid, url.decode())
                     while True:
                         _, data = await subscription.next_message()
-                        resid, url = data.decode().split(" ", 1)
-                        self._granted(resid, url)
+                        resid, _, url = data.decode(errors="replace").partition(" ")
+                        if url:
+                            self._granted(resid, url)
+                        else:
+                            log.error("shared state: %s carried %r, not a grant", channel, data)
             except (RedisUnavailable, RedisError):
                 await anyio.sleep(RETRY)
 
@@ -357,12 +440,19 @@ class SharedPool(DecodePool):
         return False, ["", *sorted(set(served) - set(taken))]
 
     async def _renew(self) -> None:
-        args = [*self._lease_and_slots(), *self._takes(self.nodes)]
-        known, reclaimed = await self._run(_RENEW, args)
+        kept = [*self._held, *self._waiting]
+        args = [*self._lease_and_slots(), *self._takes(self.nodes), *kept]
+        known, reclaimed, settled, _ = await self._run(_RENEW, args)
         if not known:
             await self._register()
         if reclaimed:
             log.warning("gave back %d slots of routers whose lease ended", reclaimed)
+        if settled:
+            log.warning(
+                "gave back %d reservations and queue entries left by calls this router "
+                "gave up on (their replies lost or late)",
+                settled,
+            )
 
 
 Job = tuple[str, str, str]  # ("release", reservation id, url) | ("renew", "", "")

@@ -8,9 +8,12 @@ a slot.
 Keys (one hash tag, ``{pdr}``, so that a Redis Cluster keeps them on one shard):
 
 * ``{pdr}:slots``  hash: node URL -> slots (written by every router from its own flags)
-* ``{pdr}:used``   hash: node URL -> slots reserved, all routers together
+* ``{pdr}:used``   hash: node URL -> slots reserved, all routers together: always the
+  number of ``res:R`` entries on that URL (every renewal counts them again)
 * ``{pdr}:res:R``  hash: reservation id -> node URL, the reservations router R holds
 * ``{pdr}:routers`` hash: router id -> its lease's end (ms, Redis's clock)
+* ``{pdr}:floor``  hash: router id -> its lowest reservation id whose acquire it may still
+  be waiting for (below: settled, see "Unknown outcomes")
 * ``{pdr}:queue:M`` sorted set: ``"R reservation-id"`` by arrival (``{pdr}:seq``, one
   count for all models), the waiters for model M; M is "" for a waiter that asked for no
   model (a model id is never empty: ``edge/validation.py``)
@@ -33,22 +36,118 @@ A reservation is released exactly once: its id leaves ``res:R`` in the script th
 the slot back, and a second release of the same id finds nothing. A router whose lease
 ended (killed, partitioned) has its reservations given back and its queue entries dropped
 by whichever router renews next.
+
+Unknown outcomes. A call the router gave up on (no reply within the timeout, a connection
+lost or killed, Redis paused) may have run, or may still run later. So a reservation id is
+a number, increasing per router, and every renewal sends the floor (the lowest id whose
+acquire the router still waits for; every lower one is settled: held, waiting, or given
+up) and the ids the router holds or waits for. The renewal gives back every reservation
+and drops every queue entry of that router below the floor that it did not send, and an
+acquire below the floor, run late, takes nothing (``late``). Then the renewal counts
+``used`` again from the reservations. Whatever the fault, what the router holds and what
+Redis counts agree again after the next renewal.
+
+Values are checked before use: a count that is not one (``HSET {pdr}:used url x``), a lease
+that is not a time, a queue entry that is not ``"R id"``, a counter that does not count is
+noted (key, field, value, what was done) in the script's last reply element for the router
+to log, and repaired: counts from the reservations, the rest dropped and written again by
+the routers' renewals.
 """
 
 from __future__ import annotations
 
 _COMMON = """
 local P = '{pdr}:'
+-- What was wrong in the store, for the router's log: key, field, value, what was done.
+local bad = {}
+local function note(key, field, value, done)
+  bad[#bad + 1] = key
+  bad[#bad + 1] = field
+  bad[#bad + 1] = value
+  bad[#bad + 1] = done
+end
+-- A count (digits only, as HINCRBY writes them), or nil.
+local function as_count(value)
+  if type(value) == 'string' and #value < 16 and string.match(value, '^%d+$') then
+    return tonumber(value)
+  end
+  return nil
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function free(url)
-  return tonumber(redis.call('HGET', P .. 'slots', url) or '0')
-    - tonumber(redis.call('HGET', P .. 'used', url) or '0')
+-- The count at key's field: 0 when absent, nil when what is there is no count.
+local function count(key, field)
+  local value = redis.call('HGET', key, field)
+  if not value then return 0 end
+  return as_count(value)
 end
+-- The slots in use on each node, counted again from the reservations of every router
+-- holding a lease; ``used`` made to match (a count that differed is noted).
+local function recount()
+  local counts = {}
+  for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+    for _, url in ipairs(redis.call('HVALS', P .. 'res:' .. router)) do
+      counts[url] = (counts[url] or 0) + 1
+    end
+  end
+  local stored = redis.call('HGETALL', P .. 'used')
+  local seen = {}
+  for i = 1, #stored, 2 do
+    local url, was = stored[i], stored[i + 1]
+    local now = counts[url] or 0
+    seen[url] = true
+    if as_count(was) ~= now then
+      redis.call('HSET', P .. 'used', url, now)
+      note(P .. 'used', url, was, 'counted ' .. now .. ' reserved')
+    end
+  end
+  for url, now in pairs(counts) do
+    if not seen[url] then
+      redis.call('HSET', P .. 'used', url, now)
+      note(P .. 'used', url, '', 'counted ' .. now .. ' reserved')
+    end
+  end
+  return counts
+end
+-- Called after the reservation on url was written or deleted. (A count that HINCRBY takes
+-- but is no count, a negative one, is found by the next read: ``free``, or a renewal.)
+local function add_used(url, delta)
+  if type(redis.pcall('HINCRBY', P .. 'used', url, delta)) ~= 'number' then recount() end
+end
+-- Set when a node's slots were not in the store (lost, or dropped as bad): the router's
+-- renewal writes them back.
+local lacking = false
+local function free(url)
+  local slots = count(P .. 'slots', url)
+  if slots == 0 and redis.call('HEXISTS', P .. 'slots', url) == 0 then lacking = true end
+  if slots == nil then
+    lacking = true
+    -- The router's renewal writes its nodes' slots back.
+    note(P .. 'slots', url, redis.call('HGET', P .. 'slots', url), 'dropped')
+    redis.call('HDEL', P .. 'slots', url)
+    slots = 0
+  end
+  local used = count(P .. 'used', url)
+  if used == nil then used = recount()[url] or 0 end
+  return slots - used
+end
+-- INCR of a key that may hold no counter: then it is noted and started again at restart.
+local function incr(key, restart)
+  local n = redis.pcall('INCR', key)
+  if type(n) == 'number' then return n end
+  local kind = redis.call('TYPE', key)['ok']
+  local value = kind == 'string' and redis.call('GET', key) or ('a ' .. kind)
+  note(key, '', value, 'started again at ' .. restart)
+  redis.call('DEL', key)
+  redis.call('SET', key, restart)
+  return redis.call('INCR', key)
+end
+-- A queue member's router and reservation id; nil for a member that is not one.
 local function split(member)
   local at = string.find(member, ' ', 1, true)
+  if not at then return nil end
   return string.sub(member, 1, at - 1), string.sub(member, at + 1)
 end
 -- Nodes and the waiters each takes, from ARGV[at] (the module docstring): the urls in
@@ -71,8 +170,19 @@ end
 local function serves(spec, model)
   return spec ~= nil and (spec.models[model] == true) == spec.plus
 end
+-- The highest arrival in any queue: where a lost arrival counter starts again.
+local function last_arrival()
+  local top = 0
+  for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    local last = redis.call('ZRANGE', P .. 'queue:' .. model, -1, -1, 'WITHSCORES')
+    if #last > 0 then top = math.max(top, tonumber(last[2])) end
+  end
+  return top
+end
 local function enqueue(model, member)
-  redis.call('ZADD', P .. 'queue:' .. model, redis.call('INCR', P .. 'seq'), member)
+  local seq = redis.pcall('INCR', P .. 'seq')
+  if type(seq) ~= 'number' then seq = incr(P .. 'seq', last_arrival()) end
+  redis.call('ZADD', P .. 'queue:' .. model, seq, member)
   redis.call('SADD', P .. 'queues', model)
 end
 -- True when the member was in model's queue.
@@ -84,7 +194,7 @@ local function dequeue(model, member)
   return true
 end
 -- The oldest waiter of a live router for model: its member and arrival, or nil. Waiters of
--- routers whose lease ended are dropped on the way.
+-- routers whose lease ended, and members that name no waiter, are dropped on the way.
 local function head(model)
   local key = P .. 'queue:' .. model
   while true do
@@ -93,7 +203,10 @@ local function head(model)
       redis.call('SREM', P .. 'queues', model)
       return nil
     end
-    if redis.call('HEXISTS', P .. 'routers', (split(first[1]))) == 1 then
+    local router = split(first[1])
+    if router == nil then
+      note(key, first[1], first[2], 'dropped')
+    elseif redis.call('HEXISTS', P .. 'routers', router) == 1 then
       return first[1], tonumber(first[2])
     end
     redis.call('ZREM', key, first[1])
@@ -127,14 +240,15 @@ local function hand_over(url, spec)
   if member then
     grant(model, member, url)
   else
-    redis.call('HINCRBY', P .. 'used', url, -1)
+    add_used(url, -1)
   end
 end
 -- The freest of the given urls (ties in turn), or nil when none has a free slot.
 local function pick(urls)
   local n = #urls
   if n == 0 then return nil end
-  local start = redis.call('INCR', P .. 'rr')
+  local start = redis.pcall('INCR', P .. 'rr')
+  if type(start) ~= 'number' then start = incr(P .. 'rr', 0) end
   local best, most = nil, 0
   for i = 0, n - 1 do
     local url = urls[1 + (start + i) % n]
@@ -143,32 +257,75 @@ local function pick(urls)
   end
   return best
 end
+-- The router's floor, raised to at least floor; its value before.
+local function raise_floor(router, floor)
+  local was = count(P .. 'floor', router)
+  if was == nil then
+    note(P .. 'floor', router, redis.call('HGET', P .. 'floor', router), 'written again')
+    was = 0
+  end
+  if floor > was then redis.call('HSET', P .. 'floor', router, floor) end
+  return was
+end
+-- What calls the router gave up on left behind: its queue entries and reservations below
+-- floor that are not in kept (id -> true), dropped and given back; how many.
+local function settle(router, floor, kept, takes)
+  local function stale(id)
+    return not kept[id] and (as_count(id) or 0) < floor
+  end
+  local settled = 0
+  -- The queue first: a slot given back below must not reach a waiter dropped after.
+  for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    for _, member in ipairs(redis.call('ZRANGE', P .. 'queue:' .. model, 0, -1)) do
+      local who, id = split(member)
+      if who == router and stale(id) then
+        dequeue(model, member)
+        settled = settled + 1
+      end
+    end
+  end
+  local key = P .. 'res:' .. router
+  local held = redis.call('HGETALL', key)
+  for i = 1, #held, 2 do
+    if stale(held[i]) then
+      redis.call('HDEL', key, held[i])
+      hand_over(held[i + 1], takes[held[i + 1]])
+      settled = settled + 1
+    end
+  end
+  return settled
+end
 """
 
 # ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
 # the nodes the request may land on (a list of nodes: see the module docstring)
-# -> {"ok", url} | {"queued"} | {"busy"} | {"unknown"} (the router must register first)
+# -> {"ok", url, bad} | {"queued", bad} | {"busy", bad} | {"unknown", bad} (the router must
+# register first) | {"stale", bad} (no slot free, and the slots of some node were not in
+# the store: the router must renew first) | {"late", bad} (an id below the router's floor:
+# a call it gave up on)
 # As in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
 # never overtakes a waiter); a burst queued on another model's nodes is no obstacle.
 ACQUIRE = _COMMON + """
 local router, resid, may_queue, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown'} end
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown', bad} end
+if (as_count(resid) or 0) < (count(P .. 'floor', router) or 0) then return {'late', bad} end
 local urls, takes = read_nodes(5)
 local url = pick(urls)
 if url and first_for(takes[url]) == nil then
-  redis.call('HINCRBY', P .. 'used', url, 1)
   redis.call('HSET', P .. 'res:' .. router, resid, url)
-  return {'ok', url}
+  add_used(url, 1)
+  return {'ok', url, bad}
 end
+if lacking then return {'stale', bad} end
 if may_queue == '1' then
   enqueue(model, router .. ' ' .. resid)
-  return {'queued'}
+  return {'queued', bad}
 end
-return {'busy'}
+return {'busy', bad}
 """
 
 # ARGV: router, the nodes that take new requests (a list of nodes), the reservation ids
-# -> how many were held (a release of an id no longer held does nothing)
+# -> {how many were held (a release of an id no longer held does nothing), bad}
 RELEASE = _COMMON + """
 local _, takes, at = read_nodes(2)
 local released = 0
@@ -180,50 +337,70 @@ for i = at, #ARGV do
     released = released + 1
   end
 end
-return released
+return {released, bad}
 """
 
-# ARGV: router, reservation id, its model -> {"left"} | {"granted", url} | {"gone"}
+# ARGV: router, reservation id, its model
+# -> {"left", bad} | {"granted", url, bad} | {"gone", bad}
 ABANDON = _COMMON + """
-if dequeue(ARGV[3], ARGV[1] .. ' ' .. ARGV[2]) then return {'left'} end
+if dequeue(ARGV[3], ARGV[1] .. ' ' .. ARGV[2]) then return {'left', bad} end
 local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[2])
-if url then return {'granted', url} end
-return {'gone'}
+if url then return {'granted', url, bad} end
+return {'gone', bad}
 """
 
-# ARGV: router, lease ms, n, n pairs of (url, slots), the nodes that take new requests (a
-# list of nodes)
-# -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed}
+# ARGV: router, lease ms, floor, n, n pairs of (url, slots), the nodes that take new
+# requests (a list of nodes), then the ids the router holds or waits for
+# -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed,
+# settled, bad}
 # Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
+# counts the slots in use again; settles this router's unknown outcomes (``settle``);
 # hands free slots to waiters (a node readmitted, a release that could not reach a waiter):
 # the oldest waiter first, each to the freest node that takes it, until no waiter left can
 # be given a slot.
 RENEW = _COMMON + """
-local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0} end
+local router, lease, floor, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0, 0, bad} end
 local now = now_ms()
 redis.call('HSET', P .. 'routers', router, now + lease)
-for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
-local urls, takes = read_nodes(4 + 2 * n)
-local reclaimed = 0
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
+local urls, takes, at = read_nodes(5 + 2 * n)
+local kept = {}
+for i = at, #ARGV do kept[ARGV[i]] = true end
+raise_floor(router, floor)
+-- First, so that every count below is one (a bad one is repaired and noted).
+recount()
+-- Routers whose lease ended: out of ``routers`` first, so that no slot of theirs, nor of
+-- anyone's, is handed to their waiters.
+local ended = {}
 local routers = redis.call('HGETALL', P .. 'routers')
 for i = 1, #routers, 2 do
-  local other = routers[i]
-  if tonumber(routers[i + 1]) < now then
+  local other, ends = routers[i], as_count(routers[i + 1])
+  if ends == nil then
+    note(P .. 'routers', other, routers[i + 1], 'its lease ended')
+    ends = 0
+  end
+  if ends < now then
     redis.call('HDEL', P .. 'routers', other)
-    local held = redis.call('HGETALL', P .. 'res:' .. other)
-    redis.call('DEL', P .. 'res:' .. other)
-    for j = 1, #held, 2 do
-      hand_over(held[j + 1], takes[held[j + 1]])
-      reclaimed = reclaimed + 1
-    end
-    for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
-      for _, member in ipairs(redis.call('ZRANGE', P .. 'queue:' .. model, 0, -1)) do
-        if split(member) == other then dequeue(model, member) end
-      end
+    redis.call('HDEL', P .. 'floor', other)
+    ended[#ended + 1] = other
+  end
+end
+local reclaimed = 0
+for _, other in ipairs(ended) do
+  local held = redis.call('HGETALL', P .. 'res:' .. other)
+  redis.call('DEL', P .. 'res:' .. other)
+  for j = 1, #held, 2 do
+    hand_over(held[j + 1], takes[held[j + 1]])
+    reclaimed = reclaimed + 1
+  end
+  for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    for _, member in ipairs(redis.call('ZRANGE', P .. 'queue:' .. model, 0, -1)) do
+      if split(member) == other then dequeue(model, member) end
     end
   end
 end
+local settled = settle(router, floor, kept, takes)
 -- A model none of whose nodes has a free slot is passed over from then on.
 local full = {}
 while true do
@@ -241,38 +418,66 @@ while true do
   end
   local url = pick(candidates)
   if url then
-    redis.call('HINCRBY', P .. 'used', url, 1)
     grant(model, member, url)
+    add_used(url, 1)
   else
     full[model] = true
   end
 end
-return {1, reclaimed}
+return {1, reclaimed, settled, bad}
 """
 
-# ARGV: router, lease ms, n, n pairs of (url, slots), m, m pairs of (reservation id, url),
-# then pairs of (waiting reservation id, its model), oldest first
+# ARGV: router, lease ms, floor, n, n pairs of (url, slots), m, m pairs of (reservation id,
+# url), then pairs of (waiting reservation id, its model), oldest first -> {1, bad}
 # A router's start, or its return after its registration was lost (Redis restarted empty,
-# or its lease ended): its lease, its nodes' slots, what it holds (each counted once,
-# however often sent) and who waits, all at once, so that no other router sees it
+# or its lease ended): its lease, its floor, its nodes' slots, what it holds (each counted
+# once, however often sent) and who waits, all at once, so that no other router sees it
 # registered without its reservations.
 REGISTER = _COMMON + """
-local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local router, lease, floor, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('HSET', P .. 'routers', router, now_ms() + lease)
-for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
-local at = 4 + 2 * n
+raise_floor(router, floor)
+for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
+local at = 5 + 2 * n
 local m = tonumber(ARGV[at])
 for i = 0, m - 1 do
   local resid, url = ARGV[at + 1 + 2 * i], ARGV[at + 2 + 2 * i]
-  if redis.call('HSETNX', P .. 'res:' .. router, resid, url) == 1 then
-    redis.call('HINCRBY', P .. 'used', url, 1)
-  end
+  if redis.call('HSETNX', P .. 'res:' .. router, resid, url) == 1 then add_used(url, 1) end
 end
 for i = at + 1 + 2 * m, #ARGV, 2 do
   local member, model = router .. ' ' .. ARGV[i], ARGV[i + 1]
   if not redis.call('ZSCORE', P .. 'queue:' .. model, member) then enqueue(model, member) end
 end
-return 1
+return {1, bad}
+"""
+
+# Keys of a wrong type (``SET {pdr}:used x``) fail every script that reads them: deleted
+# (noted), then the slots in use counted again; the routers write back the rest (their
+# registration, as after a Redis that lost its data). -> bad
+REPAIR = _COMMON + """
+local function check(key, kind)
+  local is = redis.call('TYPE', key)['ok']
+  if is ~= 'none' and is ~= kind then
+    redis.call('DEL', key)
+    note(key, '', 'a ' .. is, 'deleted')
+    return false
+  end
+  return is == kind
+end
+for _, key in ipairs({'slots', 'used', 'floor'}) do check(P .. key, 'hash') end
+for _, key in ipairs({'seq', 'rr'}) do check(P .. key, 'string') end
+if check(P .. 'routers', 'hash') then
+  for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+    check(P .. 'res:' .. router, 'hash')
+  end
+end
+if check(P .. 'queues', 'set') then
+  for _, model in ipairs(redis.call('SMEMBERS', P .. 'queues')) do
+    check(P .. 'queue:' .. model, 'zset')
+  end
+end
+recount()
+return bad
 """
 
 RESERVATIONS = "{pdr}:res:"
@@ -295,7 +500,8 @@ GRANTS = "{pdr}:grant:"
 # dropped), "adopt" (a router's configured nodes: written only if new) or "discover" (an
 # address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
 # its record and admin state, an operator's drain included), the router, then
-# per node (role, url, record, admin state, preferred id or "") -> the nodes' ids, in order.
+# per node (role, url, record, admin state, preferred id or "") -> {the nodes' ids, in order,
+# bad (as the pool's scripts: a lost id counter)}.
 # A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
 NODES = _COMMON + """
 local router, ids, changed = ARGV[2], {}, false
@@ -307,9 +513,10 @@ for i = 3, #ARGV, 5 do
     id = ARGV[i + 4]
     if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
       repeat
-        id = tostring(redis.call('INCR', P .. 'next-id') - 1)
+        -- A lost counter starts again at 0: taken ids are skipped.
+        id = tostring(incr(P .. 'next-id', 0) - 1)
       until redis.call('HEXISTS', P .. 'nodes', id) == 0
-    elseif tonumber(redis.call('GET', P .. 'next-id') or '0') <= tonumber(id) then
+    elseif (as_count(redis.call('GET', P .. 'next-id')) or 0) <= tonumber(id) then
       redis.call('SET', P .. 'next-id', tonumber(id) + 1)
     end
     redis.call('HSET', P .. 'node-ids', key, id)
@@ -327,7 +534,7 @@ for i = 3, #ARGV, 5 do
   ids[#ids + 1] = tonumber(id)
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end
-return ids
+return {ids, bad}
 """
 
 # ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node

@@ -47,7 +47,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         type=_positive,
         default=4096,
-        help="longest prompt, in tokens (words); a longer one gets 400",
+        help="the context, in tokens (words): a longer prompt, or max_tokens above it, gets 400; "
+        "an answer ends (finish_reason length) where the context does",
     )
     parser.add_argument(
         "--prefill-delay",

@@ -43,6 +43,7 @@ class SimConfig:
     ``prefill_delay`` + ``prefill_per_token`` x the prompt tokens not in the prefix cache:
     how long a prefill computes.
     ``health_delay``: ``/health`` answers only after this long (a busy engine).
+    ``models_delay``: ``/v1/models`` answers only after this long.
     ``stall``: while true, decode streams send nothing more and ``/health`` still answers
     200 (a hung scheduler, as vLLM's ``/health`` only reads an error flag).
     """
@@ -53,6 +54,7 @@ class SimConfig:
     ttft: float = 0.0
     itl: float = 0.0
     health_delay: float = 0.0
+    models_delay: float = 0.0
     stall: bool = False
     default_max_tokens: int = 16
     fail_after_tokens: int | None = None
@@ -70,7 +72,15 @@ class SimConfig:
             setattr(self, key, value)
 
 
-_DELAYS = ("prefill_delay", "prefill_per_token", "accept_delay", "ttft", "itl", "health_delay")
+_DELAYS = (
+    "prefill_delay",
+    "prefill_per_token",
+    "accept_delay",
+    "ttft",
+    "itl",
+    "health_delay",
+    "models_delay",
+)
 
 
 def _count(value: object) -> int | None:

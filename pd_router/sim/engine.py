@@ -50,6 +50,8 @@ class Counters:
     # Prompt tokens prefilled, and those of them served from the prefix cache.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # GET /v1/models answered (or begun): what a router's model reads cost the engine.
+    models_requests: int = 0
     # /v1/ requests refused for their Authorization (--api-key).
     unauthorized: int = 0
 
@@ -252,9 +254,7 @@ class Engine:
             tokens = request_tokens(body, chat, self.settings.max_model_len)
         except PromptError as exc:
             raise ApiError(exc.message, exc.param) from None
-        max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(
-            body, "max_tokens"
-        )
+        max_tokens = self._max_tokens(body, len(tokens))
         stream = body.get("stream", False)
         if stream is None:
             stream = False
@@ -269,10 +269,27 @@ class Engine:
             chat=chat,
             body=body,
             prompt_tokens=tokens,
-            max_tokens=max_tokens or self.config.default_max_tokens,
+            max_tokens=max_tokens,
             stream=stream,
             include_usage=include_usage,
         )
+
+    def _max_tokens(self, body: dict[str, Any], prompt_tokens: int) -> int:
+        """The tokens to generate, as vLLM 0.32 decides them: more than ``max_model_len``
+        asked is a 400 (its message); otherwise what the context has room for after the
+        prompt caps the request (the answer then ends with finish_reason "length")."""
+        param = (
+            "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+        )
+        asked = _positive_int(body, param)
+        limit = self.settings.max_model_len
+        if asked is not None and asked > limit:
+            raise ApiError(
+                f"{param}={asked} cannot be greater than max_model_len={limit}. "
+                f"Please request fewer output tokens. (parameter={param}, value={asked})",
+                param,
+            )
+        return min(asked or self.config.default_max_tokens, limit - prompt_tokens)
 
     # Operational endpoints.
 
@@ -283,6 +300,8 @@ class Engine:
         await exchange.respond(200, {"status": "ok"})
 
     async def _models(self, exchange: Exchange) -> None:
+        self.counters.models_requests += 1
+        await anyio.sleep(self.config.models_delay)
         model = {
             "id": self.settings.model,
             "object": "model",

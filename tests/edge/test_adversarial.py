@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +22,16 @@ import pytest
 
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RouterProcess, wait_for
-from tests.lying_engine import STREAM, LyingEngine, endless, events, http, slowly, token
+from tests.lying_engine import (
+    STREAM,
+    LyingEngine,
+    endless,
+    endless_header,
+    events,
+    http,
+    slowly,
+    token,
+)
 
 TOKEN = "adversary"
 # What one case may leave behind in the router process, after warm-up.
@@ -169,6 +179,70 @@ def test_endless_error_pages_and_answers_are_cut_off_and_cost_no_memory(
             response = httpx.post(f"{router.url}/v1/completions", json=lie("answer"), timeout=30)
             assert response.status_code == 502
             assert error_of(response)["code"] == "response_too_large"
+
+
+def test_an_engine_head_of_64_mib_is_a_502_naming_the_engine_and_stalls_nobody(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """It was answered 200 after 5.1 s and held the router's loop 2.5 s (everyone's /health
+    waited); 400 MiB ended in a 504 while bytes were arriving."""
+    liar.lies["head"] = endless_header(64 << 20)
+    failures_before = protocol_errors(router)
+    health = HealthWatch(router)
+    with attacked(router):
+        health.start()
+        try:
+            wait_for(lambda: health.polls >= 3, what="/health polled")
+            response = httpx.post(f"{router.url}/v1/completions", json=lie("head"), timeout=60)
+            polls = health.polls
+            wait_for(lambda: health.polls >= polls + 3, what="/health polled after")
+        finally:
+            health.stop.set()
+            health.join(30)
+    assert response.status_code == 502
+    assert error_of(response) == {
+        "message": f"decode engine {liar.url}/v1/completions: no answer: "
+        "status line and headers larger than 65536 bytes",
+        "type": "upstream_error",
+        "param": None,
+        "code": "response_head_too_large",
+    }
+    # An engine breaking the protocol: hard evidence against the node, as invalid HTTP is.
+    assert protocol_errors(router) == failures_before + 1
+    assert health.failures == [] and health.polls > 0
+    print(
+        f"\n/health during a 64 MiB engine head: {health.polls} polls, slowest "
+        f"{health.slowest * 1000:.1f} ms"
+    )
+
+
+def protocol_errors(router: RouterProcess) -> float:
+    """Engine answers that broke the protocol, as the router counted them (hard evidence)."""
+    prefix = "pd_router_upstream_errors_total{kind=protocol,"
+    return sum(v for k, v in router.metrics().items() if k.startswith(prefix))
+
+
+class HealthWatch(threading.Thread):
+    """Another client's ``GET /health`` all along: how long the router's loop kept it."""
+
+    def __init__(self, router: RouterProcess) -> None:
+        super().__init__(daemon=True)
+        self.url = f"{router.url}/health"
+        self.stop = threading.Event()
+        self.polls = 0
+        self.slowest = 0.0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                started = time.perf_counter()
+                response = client.get(self.url)
+                self.slowest = max(self.slowest, time.perf_counter() - started)
+                self.polls += 1
+                if response.status_code != 200:
+                    self.failures.append(f"{response.status_code} {response.text[:200]}")
+                time.sleep(0.01)
 
 
 def test_sse_quirks_and_non_json_answers(router: RouterProcess, liar: LyingEngine) -> None:

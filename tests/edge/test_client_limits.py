@@ -202,8 +202,11 @@ def test_connections_over_the_cap_get_503_and_running_streams_finish(fleet: SimF
         for sock in idle:  # kept alive: connection 2, 3 and 4
             sock.sendall(head(0, "GET", "/health"))
             assert read_response(sock)[0] == 200
+        with connect(router) as control:  # beyond the cap, the operator's paths only
+            control.sendall(head(0, "GET", "/health"))
+            assert read_response(control)[0] == 200
         with connect(router) as refused:
-            refused.sendall(head(0, "GET", "/health"))
+            refused.sendall(head(0, "GET", "/v1/models"))
             answer = read_response(refused)
             assert_error(answer, 503, "too_many_connections")
             assert answer[1]["retry-after"] == "1"

@@ -28,7 +28,7 @@ import trustme
 
 from pd_router.engines import client as upstream_module
 from pd_router.engines.client import Response, Upstream
-from pd_router.engines.connection import HIGH_WATER, EngineConnection
+from pd_router.engines.connection import HIGH_WATER, MAX_HEAD, EngineConnection
 from pd_router.errors import Evidence, UpstreamError
 from pd_router.fleet.nodes import Failure
 
@@ -767,6 +767,52 @@ async def test_garbage_instead_of_http_is_a_protocol_error() -> None:
         # The router drops a connection it cannot parse.
         await within(engine.connections[0].gone.wait())
     assert caught.value.kind == "protocol"
+
+
+async def test_a_head_of_64_kib_is_read_with_the_body_sent_in_the_same_bytes() -> None:
+    body = b"the body"
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nx-pad: " % len(body)
+    head += b"p" * (MAX_HEAD - len(head) - 4) + b"\r\n\r\n"
+    assert len(head) == MAX_HEAD
+
+    async def handler(conn: Conn) -> None:
+        while await conn.request() is not None:
+            await conn.send(head + body)  # one write: the head's end and the body together
+
+    async with scripted_engine(handler) as engine, engine_client() as client:
+        for _ in range(2):
+            with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+                assert await response.read() == body
+    assert [len(conn.requests) for conn in engine.connections] == [2]  # kept alive
+
+
+async def test_a_head_larger_than_64_kib_is_a_protocol_error_read_no_further() -> None:
+    """A header line without end: refused once 64 KiB of head arrived, with what it
+    is, and the connection dropped (the engine's writes then fail)."""
+    sent = 0
+
+    async def handler(conn: Conn) -> None:
+        nonlocal sent
+        await conn.request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nx-endless: ")
+        with contextlib.suppress(ConnectionError):
+            while sent < 64 << 20:
+                await conn.send(b"x" * (64 << 10))
+                sent += 64 << 10
+        conn.gone.set()
+
+    async with scripted_engine(handler) as engine, engine_client(read_timeout=30) as client:
+        with pytest.raises(UpstreamError) as caught:
+            await within(client.post(engine.url + "/v1/completions", {}, "r"), 10)
+        await within(engine.connections[0].gone.wait(), 10)
+    error = caught.value
+    assert (error.kind, error.code, error.status) == ("protocol", "response_head_too_large", 502)
+    assert error.message == (
+        f"{engine.url}/v1/completions: no answer: "
+        f"status line and headers larger than {MAX_HEAD} bytes"
+    )
+    assert error.evidence is Evidence.HARD
+    assert sent < 64 << 20  # the router stopped reading: what it had not read was refused
 
 
 async def test_an_invalid_chunk_is_a_protocol_error_after_the_valid_bytes() -> None:

@@ -175,6 +175,8 @@ async def test_the_local_membership_is_the_fleet_of_this_process() -> None:
     members = LocalMembership(fleet)
     node = await members.add("http://d9", "decode", 3, {"zone": "c"})
     assert node.id == 2 and node.labels == {"zone": "c"} and node in fleet.pool.nodes
+    assert node.state is State.JOINING, "as every source's: serving from its first good probe"
+    fleet.probed(node)
     with pytest.raises(ValueError, match="drain it first"):
         await members.remove(node, False)
     await members.drain(node)

@@ -4,6 +4,7 @@ answers 404, and the decode pool's per-model queues (under asyncio and trio)."""
 from __future__ import annotations
 
 import anyio
+import orjson
 import pytest
 
 from pd_router.errors import Busy, Evidence, ModelNotFound, QueueTimeout, Unavailable
@@ -22,9 +23,43 @@ def node(i: int, *served: str, slots: int = 1) -> Node:
 # What an engine lists
 
 
-def test_an_openai_model_list_gives_its_ids() -> None:
+def test_an_openai_model_list_gives_its_ids_and_their_objects() -> None:
     answer = {"object": "list", "data": [{"id": "llama"}, {"id": "qwen", "object": "model"}]}
-    assert models.parse(answer) == {"llama", "qwen"}
+    assert models.parse(answer) == {"llama": {"id": "llama"}, "qwen": answer["data"][1]}
+
+
+def test_a_model_object_is_kept_whole_up_to_2_kib_else_its_small_openai_fields() -> None:
+    whole = {"id": "m", "object": "model", "max_model_len": 4096, "root": "r" * 1900}
+    huge = {"id": "big", "created": 7, "owned_by": "vllm", "x": "y" * models.MAX_CARD}
+    odd = {"id": "odd", "created": "yesterday", "owned_by": "o" * 10_000, "x": "y" * 3000}
+    deep = orjson.loads('{"id": "deep", "x": ' + "[" * 600 + "]" * 600 + "}")  # 1 KiB
+    cards = models.parse({"data": [whole, huge, odd, {"id": "m", "second": True}, deep]})
+    assert cards == {
+        "m": whole,  # the first object of an id
+        "big": {"id": "big", "object": "model", "created": 7, "owned_by": "vllm"},
+        "odd": {"id": "odd", "object": "model"},
+        "deep": {"id": "deep", "object": "model"},  # deeper than the router would write
+    }
+
+
+def test_an_id_that_could_forge_a_log_line_is_not_kept() -> None:
+    answer = {"data": [{"id": "a\nb"}, {"id": "evil\u202e"}, {"id": "fine-模型"}]}
+    assert list(models.parse(answer)) == ["fine-模型"]
+
+
+def test_what_v1_models_lists_is_each_id_once_from_the_nodes_read() -> None:
+    first = node(0, "a", "b")
+    first.cards = {"a": {"id": "a", "n": 0}, "b": {"id": "b", "n": 0}}
+    second = node(1, "b", "c")
+    second.cards = {"b": {"id": "b", "n": 1}, "c": {"id": "c", "n": 1}}
+    unread = node(2)
+    assert models.listing([first, unread, second]) == [
+        {"id": "a", "n": 0},
+        {"id": "b", "n": 0},
+        {"id": "c", "n": 1},
+    ]
+    assert models.listing([unread]) is None  # nothing read yet: the router cannot say
+    assert models.listing([]) is None
 
 
 @pytest.mark.parametrize(
@@ -43,6 +78,9 @@ def test_a_lying_engine_cannot_fill_the_router_with_models() -> None:
     learned = models.parse(answer)
     assert len(learned) == models.MAX_MODELS
     assert all(len(i) <= models.MAX_ID for i in learned)
+    answer = {"data": [{"id": f"m{i}", "pad": "x" * 100_000} for i in range(1000)]}
+    learned = models.parse(answer)  # 100 MB offered: 256 small objects kept
+    assert sum(len(orjson.dumps(card)) for card in learned.values()) < 256 * 64
 
 
 # Which requests get 404
@@ -184,6 +222,28 @@ async def test_waiters_of_a_model_whose_last_node_dies_are_told_others_wait_on()
 
 
 @pytest.mark.anyio
+async def test_a_busy_model_is_named_when_it_is_why_and_only_then() -> None:
+    pool = DecodePool([node(0, "a"), node(1, "b")])
+    held = await pool.acquire(0, "a")  # a's only slot; b's is free
+    with pytest.raises(Busy) as busy:
+        await pool.acquire(0, "a")
+    assert busy.value.message == "all decode nodes serving 'a' busy"
+    with pytest.raises(QueueTimeout, match=r"^no decode node serving 'a' free after waiting \d"):
+        await pool.acquire(0.05, "a")
+    held.release()
+    one_model = DecodePool([node(0, "a"), node(1, "a")])
+    held = [await one_model.acquire(0, "a") for _ in range(2)]
+    with pytest.raises(Busy, match="^all decode nodes busy$"):
+        await one_model.acquire(0, "a")
+    with pytest.raises(QueueTimeout, match="^no decode node free after waiting"):
+        await one_model.acquire(0.05, "a")
+    for reservation in held:
+        reservation.release()
+    assert_idle(pool)
+    assert_idle(one_model)
+
+
+@pytest.mark.anyio
 async def test_a_models_only_node_gets_its_requests_while_unhealthy() -> None:
     # The slow-engine fallback is per model: b's only node is unhealthy, and the healthy
     # node of another model does not make b's requests fail.
@@ -211,7 +271,7 @@ async def test_learning_a_nodes_models_fails_the_waiters_it_no_longer_serves() -
 
             tg.start_soon(wait)
             await anyio.sleep(0.01)
-            fleet.learned(shared, frozenset({"b"}))
+            fleet.learned(shared, {"b": {"id": "b"}})
     held.release()
     assert_idle(fleet.pool)
 

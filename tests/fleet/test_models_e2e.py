@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pd_router.sim.fleet import EngineProcess
-from tests.helpers import RouterProcess, flush_state, queued, slots_in_use, wait_for
+from tests.helpers import RawClient, RouterProcess, flush_state, queued, slots_in_use, wait_for
 from tests.redis_server import RedisServer
 
 TOKEN = "s3cret"
@@ -181,3 +181,38 @@ def burst(
         ), {name: round(at - started, 2) for name, at in finished.items()}
     finally:
         engines["decode-alpha"].configure(itl=0.0)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "state"])
+@pytest.mark.parametrize("queue_timeout", ["0", "0.5"], ids=["fail-fast", "queued"])
+def test_a_429_names_the_model_whose_nodes_are_busy(
+    engines: dict[str, EngineProcess], redis_server: RedisServer, shared: bool, queue_timeout: str
+) -> None:
+    """It said 'all decode nodes busy' while beta's node had a free slot."""
+    prefill = [engines["prefill-alpha"].url, engines["prefill-beta"].url]
+    decode = [engines["decode-alpha"].url, engines["decode-beta"].url]
+    args = ["--decode-slots", "1", "--queue-timeout", queue_timeout]
+    if shared:
+        flush_state(redis_server.url)
+        args += ["--state", redis_server.url]
+    engines["decode-alpha"].configure(itl=0.1)
+    try:
+        with RouterProcess(prefill, decode, *args) as router:
+            wait_for(lambda: model_not_found(router), what="models learned")
+            body = {"model": "alpha", "prompt": "a b c", "max_tokens": 60, "stream": True}
+            holder = RawClient(router.url, "/v1/completions", body)
+            holder.read_until(b"data: ")  # alpha's one slot is held
+            with pytest.raises(openai.RateLimitError) as caught:
+                client(router).completions.create(model="alpha", prompt="x", max_tokens=2)
+            served = client(router).completions.create(model="beta", prompt="x", max_tokens=2)
+            holder.hang_up()
+            router.assert_idle()
+    finally:
+        engines["decode-alpha"].configure(itl=0.0)
+    assert served.model == "beta"  # beta's node was free all along
+    error = caught.value
+    assert (error.status_code, error.code) == (429, "decode_nodes_busy")
+    if queue_timeout == "0":
+        assert error.body["message"] == "all decode nodes serving 'alpha' busy"
+    else:
+        assert error.body["message"] == "no decode node serving 'alpha' free after waiting 0.5s"

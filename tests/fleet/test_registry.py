@@ -8,7 +8,7 @@ import pytest
 
 from pd_router.errors import Evidence, NodeDead, RouterError, Unavailable
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
-from pd_router.fleet.registry import Fleet
+from pd_router.fleet.registry import LOOP, LOOP_HOLD, Fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -154,6 +154,23 @@ async def test_a_stalled_node_fails_its_silent_streams_and_is_held_out() -> None
     now[0] += 30
     fleet.probed(d0)
     assert d0.state is State.SERVING
+
+
+def test_a_node_that_loops_is_dead_at_once_and_held_out() -> None:
+    now = [100.0]
+    prefill = [Node(id=0, url="http://p0", slots=1, role="prefill")]
+    decode = [Node(id=1, url="http://d0", slots=4), Node(id=2, url="http://router-b", slots=4)]
+    fleet = Fleet(prefill, decode, HealthPolicy(3, 2), clock=lambda: now[0])
+    loop = decode[1]
+    fleet.failed(loop, Failure(LOOP, "loop detected: ...", Evidence.FATAL))
+    assert loop.state is State.DEAD and loop.reason == "loop"
+    # Another router's /health answers 200: probes readmit it only after the hold.
+    for _ in range(5):
+        fleet.probed(loop)
+    assert loop.state is State.DEAD
+    now[0] += LOOP_HOLD
+    fleet.probed(loop)
+    assert loop.state is State.SERVING
 
 
 async def test_no_live_decode_node_fails_waiters_at_once_and_new_requests_too() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pd_router.ops.logs import escaped
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RawClient, RouterProcess, wait_for
 
@@ -139,3 +140,55 @@ def test_latency_histograms_count_a_bound_in_its_own_bucket() -> None:
     assert buckets["+Inf"] == 4
     assert samples[("pd_router_x_seconds_count", None)] == 4
     assert samples[("pd_router_x_seconds_sum", None)] == 0.001 + 0.0011 + 0.3 + 400.0
+
+
+# U+202E (right-to-left override) and U+2066 (left-to-right isolate) reorder what a
+# terminal shows; U+0085 is a C1 control (NEL), U+200B a zero-width space.
+SNEAKY = "gpt\u202e4-lim\u2066x\u0085y\u200bz"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_model_name_cannot_reorder_or_break_the_log(fleet: SimFleet, log_format: str) -> None:
+    """Bidi controls in a model name reached the log raw (JSON escapes only C0 controls)."""
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--log-format", log_format) as router:
+        body = {"model": SNEAKY, "prompt": "hi", "max_tokens": 2}
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+        assert answer.status_code == 404  # logged all the same
+        wait_for(lambda: "model_not_found" in router.log(), what="the request's log line")
+        log = router.log()
+    assert not any(c in log for c in "\u202e\u2066\u0085\u200b")
+    (line,) = (line for line in log.splitlines() if "model_not_found" in line)
+    if log_format == "json":
+        assert json.loads(line)["model"] == SNEAKY  # escaped, not changed
+    else:
+        assert ' model="gpt\\u202e4-lim\\u2066x\\u0085y\\u200bz" ' in line
+
+
+def test_escaped_json_means_what_it_did() -> None:
+    # A tag character (U+E0001) lies beyond the BMP: JSON spells it as a surrogate pair.
+    value = {"model": "a\u202eb\U000e0001c\x7f d\u00e9\u6a21"}
+    text = escaped(json.dumps(value, ensure_ascii=False))
+    assert text.isprintable() and json.loads(text) == value
+    assert "\\udb40\\udc01" in text and "d\u00e9\u6a21" in text  # printable ones stay
+
+
+def test_an_engines_error_text_cannot_forge_a_log_line() -> None:
+    """A prefill engine's error message is logged when the prefill is retried elsewhere."""
+    forged = "overloaded\n2026-01-01 00:00:00,000 INFO pd_router.access: request \u202eevil"
+    with SimFleet(prefill=2, decode=1) as fleet:
+        for engine in fleet.prefill:
+            engine.configure(fail_status=503, fail_message=forged)
+        prefill, decode = [e.url for e in fleet.prefill], [fleet.decode[0].url]
+        with RouterProcess(prefill, decode) as router:
+            answer = httpx.post(f"{router.url}/v1/completions", json=SHORT, timeout=30)
+            wait_for(lambda: "retrying on node" in router.log(), what="the retry's log line")
+            log = router.log()
+    assert answer.status_code == 503
+    assert "\u202e" not in log
+    (line,) = (line for line in log.splitlines() if "retrying on node" in line)
+    assert (
+        "overloaded\\u000a2026-01-01 00:00:00,000 INFO pd_router.access: request \\u202eevil"
+        in line
+    )
+    assert not any(x.startswith("2026-01-01") for x in log.splitlines())

@@ -145,7 +145,8 @@ async def test_a_node_found_dead_is_dead_everywhere_and_each_router_fails_only_i
         await b.drain(b_d0)
         await b.remove(b_d0, False)
         added = await a.add(D0, "decode", 2, {})
-        assert added.id == 1 and added.state is State.SERVING, "added again: afresh"
+        # Added again: afresh, joining (it serves from its first good probe).
+        assert added.id == 1 and added.state is State.JOINING
     assert took < 1.0
     async with router(redis_server) as c:
         assert state(c, D0) is State.SERVING
@@ -307,3 +308,28 @@ async def test_routers_whose_lookups_differ_never_fail_a_request_nor_duplicate_a
         await look(b, both)  # b lists it still: the same node, back
         await until(lambda: state(a, D2) is State.SERVING)
         assert ids(a) == ids(b) and ids(b)[D2] == d2 and len(a.fleet.pool.nodes) == 2
+
+
+async def test_bad_values_in_the_fleets_keys_are_logged_and_serving_goes_on(
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A count of requests in flight that is not one is logged and skipped (the admin API
+    still answers); an id counter that does not count starts again past the ids taken;
+    an admin change that fails on the store's data answers with no script's error text."""
+    await redis.call("FLUSHALL")
+    async with router(redis_server) as a:
+        await redis.call("HSET", "{pdr}:in-flight:ghost", "1", "many")
+        await redis.call("HSET", "{pdr}:routers", "ghost", "99999999999999")
+        counts = await a.in_flight()
+        assert counts["ghost"] == {} and counts[a.router_id][1] == 0
+        assert any("'many'" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+        await redis.call("SET", "{pdr}:next-id", "not a counter")
+        added = await a.add("http://d9:1", "decode", 1, {})
+        assert added.id == 3, "the next id past those taken (0, 1, 2)"
+        assert any("{pdr}:next-id" in r.getMessage() for r in caplog.records)
+        await redis.call("SET", "{pdr}:admin", "not a hash")
+        with pytest.raises(StateUnavailable) as caught:
+            await a.drain(added)
+        assert "script" not in caught.value.message and "WRONGTYPE" in caught.value.message
+        await redis.call("DEL", "{pdr}:admin", "{pdr}:in-flight:ghost")
+        await redis.call("HDEL", "{pdr}:routers", "ghost")
