@@ -158,7 +158,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
 
     async def models(request: Request) -> Response:
         # Asked on with the marks it came with: routers that name each other stop at once.
-        via = b",".join(v.encode("latin-1") for v in request.headers.getlist("x-pd-router-via"))
+        via = b",".join(v.encode("latin-1") for v in request.headers.getlist(hops.HEADER.decode()))
         onward = hops.passed(via, router.mark.encode())
         serving = set(fleet.serving_view())
         nodes = [node for node in fleet.nodes if node.id in serving]
