@@ -68,16 +68,23 @@ class OpenAIRoute:
             elif name == b"content-length":
                 declared = value
         rid = request_id(rid_header)
+        tracer = self.router.tracer
+        trace = None if tracer is None else tracer.request(scope["headers"], PATHS[self.endpoint])
         try:
             if self.router.shutting_down:
                 raise ShuttingDown("router shutting down")
             raw = await _read_body(receive, declared, self.max_body_bytes)
             if raw is None:
                 self.router.telemetry.count(self.endpoint, "client_aborted")
+                if trace is not None:
+                    trace.finish(rid, "client_aborted", 0, None)
                 return
-            relay = Relay(self.router, self.endpoint, parse_body(raw, self.endpoint), rid)
+            relay = Relay(self.router, self.endpoint, parse_body(raw, self.endpoint), rid, trace)
         except RouterError as error:
-            self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
+            outcome = error.outcome or "bad_request"
+            self.router.telemetry.count(self.endpoint, outcome)
+            if trace is not None:
+                trace.finish(rid, outcome, error.status, error)
             answer = ClientStream(rid)
             answer.attach(send)
             await answer.fail(error)
@@ -210,6 +217,9 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 tg.cancel_scope.cancel()
         finally:
             await router.upstream.close()
+            if router.tracer is not None:
+                # The last requests' spans go out before the process does.
+                await anyio.to_thread.run_sync(router.tracer.close)
 
     openai = {
         PATHS[endpoint]: OpenAIRoute(router, endpoint, options.max_body_bytes) for endpoint in PATHS

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pd_router.demo import demo_parser, parse
-from pd_router.serve import _dns_server, parse_router_args, router_parser
+from pd_router.serve import _dns_server, _traces_url, parse_router_args, router_parser
 from pd_router.status import format_table, from_admin, from_metrics
 
 # Engines nobody listens on: enough for the router to start, or to refuse other flags.
@@ -140,6 +140,35 @@ def marked(mark: str) -> list[int]:
             "pd-router: error: --decode-dns: 'decode.ns:8200,slot=2': unknown option 'slot' "
             "(did you mean slots?)",
         ),
+        (
+            [*ENGINES, "--otlp-traces-endpoint", "collector:4318"],
+            {},
+            "pd-router: error: argument --otlp-traces-endpoint: expected an http:// or https:// "
+            "URL of an OTLP/HTTP collector (http://collector:4318/v1/traces), got "
+            "'collector:4318'",
+        ),
+        (
+            ENGINES,
+            {"PD_ROUTER_OTLP_TRACES_ENDPOINT": "grpc://collector:4317"},
+            "pd-router: error: PD_ROUTER_OTLP_TRACES_ENDPOINT: expected an http:// or https:// "
+            "URL",
+        ),
+        (
+            ENGINES,
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"},
+            "pd-router: error: OTEL_EXPORTER_OTLP_ENDPOINT: expected an http:// or https:// URL",
+        ),
+        (
+            ENGINES,
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "pd-router: error: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: pd-router exports traces over "
+            "OTLP/HTTP with protobuf (http/protobuf) only; point it at the collector's HTTP port",
+        ),
+        (
+            ["demo", "--otlp-traces-endpoint", "http://c:4318"],
+            {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+            "pd-router demo: error: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: pd-router exports",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(
@@ -157,8 +186,9 @@ def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None
 
 def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
     for action in actions:
-        # --dns-server's address is not a number: its own refusal is tested in test_config.
-        if action.type is not None and action.type not in (str, _dns_server):
+        # --dns-server's address and --otlp-traces-endpoint's URL are not numbers: their
+        # refusals are tested in test_config and above.
+        if action.type is not None and action.type not in (str, _dns_server, _traces_url):
             yield action.option_strings[0]
 
 
@@ -365,7 +395,7 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
     unset = {"-h, --help", "--admin-token TOKEN", "--config FILE", "--state URL"}
-    unset |= {"--dns-server HOST:PORT"}
+    unset |= {"--dns-server HOST:PORT", "--otlp-traces-endpoint URL"}
     missing = [
         invocation
         for invocation, text in entries.items()

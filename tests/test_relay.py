@@ -76,7 +76,9 @@ class ScriptedUpstream:
         # it could not connect.
         self.unreachable: dict[str, UpstreamError] = {}
 
-    async def post(self, url: str, body: Any, request_id: str) -> ScriptedResponse:
+    async def post(
+        self, url: str, body: Any, request_id: str, headers: bytes = b""
+    ) -> ScriptedResponse:
         self.sent.append((url, body))
         error = self.unreachable.get(url.split("/v1")[0])
         if error is not None:

@@ -190,13 +190,17 @@ class Upstream:
                 conn.close()
         self._idle.clear()
 
-    async def post(self, url: str, body: Any, request_id: str) -> Response:
+    async def post(self, url: str, body: Any, request_id: str, headers: bytes = b"") -> Response:
         """POST ``body`` as JSON; returns once the engine's status and headers are in.
+        ``headers``: more header lines (each ending in CRLF), the trace context's.
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
         return await self._request(
-            url, b"POST", orjson.dumps(body), b"x-request-id: " + request_id.encode() + b"\r\n"
+            url,
+            b"POST",
+            orjson.dumps(body),
+            b"x-request-id: " + request_id.encode() + b"\r\n" + headers,
         )
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
