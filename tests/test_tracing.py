@@ -226,6 +226,42 @@ def test_a_prefill_retry_is_a_second_prefill_span(
     assert continued(healthy, request_id) == (root.trace_id, second.span_id)
 
 
+def test_a_trace_the_client_does_not_sample_is_not_recorded_but_passed_on(
+    router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
+) -> None:
+    trace_id = "a3ce929d0e0e47364bf92f3577b34da6"
+    for index in range(2):
+        client_for(router).completions.create(
+            model="sim-model",
+            prompt="not sampled",
+            max_tokens=2,
+            # Flags 00: the client's sampler left this trace out; so does the router's
+            # default (parent-based) one.
+            extra_headers={
+                "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-00",
+                "x-request-id": f"unsampled-{index}",
+            },
+        )
+    # A sampled request after them: once its spans are in, the earlier ones would be.
+    client_for(router).completions.create(
+        model="sim-model", prompt="sampled", max_tokens=2, extra_headers={"x-request-id": "after"}
+    )
+    receiver.request_trace("after", 5)
+    assert receiver.trace(trace_id) == []
+    for index in range(2):
+        contexts = [
+            context
+            for engine in sims.engines
+            for context in engine.stats()["trace_contexts"]
+            if context["request_id"] == f"unsampled-{index}"
+        ]
+        assert len(contexts) == 2  # the prefill's and the decode's
+        for context in contexts:
+            _, got_trace, _, flags = str(context["traceparent"]).split("-")
+            assert (got_trace, int(flags, 16) & 1) == (trace_id, 0)
+    assert logged_trace_id(router, "unsampled-0") == trace_id
+
+
 def test_a_client_that_leaves_mid_stream_ends_its_spans(
     router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
 ) -> None:

@@ -30,7 +30,6 @@ from pd_router.fleet.nodes import Node
 
 SERVICE = "pd-router"
 _HEADERS = (b"traceparent", b"tracestate")
-_ERROR = Status(StatusCode.ERROR)
 
 
 class Tracer:
@@ -72,6 +71,7 @@ class RequestTrace:
         "root",
         "trace_id",
         "_tracer",
+        "_recording",
         "_context",
         "_phase",
         "_handoff",
@@ -91,7 +91,10 @@ class RequestTrace:
             attributes={"http.request.method": "POST", "http.route": path},
         )
         self.trace_id = format(self.root.get_span_context().trace_id, "032x")
-        self._context = trace.set_span_in_context(self.root)
+        # A request the sampler left out (OTEL_TRACES_SAMPLER) gets no child spans: the
+        # engines continue its root's unsampled context, and it costs this one span.
+        self._recording = self.root.is_recording()
+        self._context = trace.set_span_in_context(self.root) if self._recording else None
         # The phase under way (queue, prefill or decode) and the hand-off inside a decode.
         self._phase: Span | None = None
         self._handoff: Span | None = None
@@ -142,10 +145,12 @@ class RequestTrace:
         if drain:
             # The client left: a one-token request only to make the engine take the KV.
             attributes["pd_router.drain"] = True
-        span = self._decode = self._start("decode", SpanKind.CLIENT, attributes)
-        self._handoff = self._tracer.start_span(
-            "kv_handoff", context=trace.set_span_in_context(span)
-        )
+        span = self._start("decode", SpanKind.CLIENT, attributes)
+        if self._recording:
+            self._decode = span
+            self._handoff = self._tracer.start_span(
+                "kv_handoff", context=trace.set_span_in_context(span)
+            )
         return _headers(span)
 
     def handed(self) -> None:
@@ -156,12 +161,14 @@ class RequestTrace:
 
     def failed(self, error: UpstreamError) -> None:
         """An engine failed the phase under way."""
+        status = Status(StatusCode.ERROR, error.kind)
+        attributes: dict[str, Any] = {"error.type": error.kind}
+        if error.kind.startswith("http_"):
+            attributes["http.response.status_code"] = error.status
         for span in (self._handoff, self._phase):
             if span is not None:
-                span.set_status(Status(StatusCode.ERROR, error.kind))
-                span.set_attribute("error.type", error.kind)
-                if error.kind.startswith("http_"):
-                    span.set_attribute("http.response.status_code", error.status)
+                span.set_status(status)
+                span.set_attributes(attributes)
 
     def watching(self, fix: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
         """``fix`` (the relay's usage fix), also keeping the usage for the decode span."""
@@ -183,46 +190,49 @@ class RequestTrace:
         stream: bool | None = None,
     ) -> None:
         """End every span: the request ended with ``outcome`` (and ``error``, if any)."""
+        root = self.root
         failed = outcome != "ok"
+        kind = _error_type(error, outcome) if failed else ""
         if failed:
-            kind = _error_type(error, outcome)
+            # What was under way when the request ended (a client that left, a shutdown).
             for span in (self._handoff, self._phase):
-                if span is not None and span.is_recording():
+                if span is not None:
                     span.set_status(Status(StatusCode.ERROR, kind))
         decode = self._decode
         if decode is not None:
-            decode.set_attribute("pd_router.outcome", outcome)
+            attributes: dict[str, Any] = {"pd_router.outcome": outcome}
             if ttft is not None:
-                decode.set_attribute("pd_router.time_to_first_token_s", ttft)
+                attributes["pd_router.time_to_first_token_s"] = ttft
             if self.events:
-                decode.set_attribute("pd_router.events", self.events)
+                attributes["pd_router.events"] = self.events
             usage = self.usage
             if usage is not None:
                 for key, name in _USAGE:
                     value = usage.get(key)
                     if isinstance(value, int):
-                        decode.set_attribute(name, value)
+                        attributes[name] = value
+            decode.set_attributes(attributes)
         self._end_phase()
-        root = self.root
-        if root.is_recording():
-            root.set_attributes(
-                {
-                    "pd_router.request_id": request_id,
-                    "pd_router.outcome": outcome,
-                    "http.response.status_code": status,
-                }
-            )
+        if self._recording:
+            attributes = {
+                "pd_router.request_id": request_id,
+                "pd_router.outcome": outcome,
+                "http.response.status_code": status,
+            }
             if model is not None:
-                root.set_attribute("gen_ai.request.model", model)
+                attributes["gen_ai.request.model"] = model
             if stream is not None:
-                root.set_attribute("pd_router.stream", stream)
+                attributes["pd_router.stream"] = stream
             if failed:
-                root.set_attribute("error.type", kind)
+                attributes["error.type"] = kind
                 root.set_status(Status(StatusCode.ERROR, kind))
+            root.set_attributes(attributes)
         root.end()
 
     def _start(self, name: str, kind: SpanKind, attributes: dict[str, Any]) -> Span:
         self._end_phase()
+        if not self._recording:
+            return self.root
         span = self._phase = self._tracer.start_span(
             name, context=self._context, kind=kind, attributes=attributes
         )
