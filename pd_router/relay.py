@@ -448,10 +448,10 @@ class Relay:
     def _engine_failed(self, node: Node, error: UpstreamError) -> UpstreamError:
         """Count ``error`` against ``node``; returns it as the client is told, which names
         the engine's role as well as its URL."""
-        if self.trace is not None:
-            self.trace.failed(error)
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
+            if self.trace is not None:
+                self.trace.failed(error)
             self.router.telemetry.upstream_error(node, error.kind)
             evidence = error.evidence
             if evidence is not None:

@@ -226,6 +226,42 @@ def test_a_prefill_retry_is_a_second_prefill_span(
     assert continued(healthy, request_id) == (root.trace_id, second.span_id)
 
 
+def test_refused_requests_are_error_spans_with_their_code(
+    router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
+) -> None:
+    body = {"model": "sim-model", "prompt": "hold the slot", "max_tokens": 400, "stream": True}
+    # The router has one decode slot (--decode-slots 1) and no queue: a stream holds it.
+    holder = RawClient(router.url, "/v1/completions", body)
+    holder.read_until(b'"text"')
+    client = client_for(router)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(
+            model="sim-model", prompt="busy", max_tokens=2, extra_headers={"x-request-id": "busy-1"}
+        )
+    holder.hang_up()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model="sim-model",
+            prompt="x",
+            max_tokens=2,
+            extra_body={"n": "many"},
+            extra_headers={"x-request-id": "bad-1"},
+        )
+    busy = by_name(receiver.request_trace("busy-1", 2))
+    assert sorted(busy) == ["POST /v1/completions", "queue"]
+    [root], [queue] = busy["POST /v1/completions"], busy["queue"]
+    assert root.error and root.status_message == "decode_nodes_busy"
+    assert root.attributes["error.type"] == "decode_nodes_busy"
+    assert root.attributes["http.response.status_code"] == 429
+    assert queue.error and queue.status_message == "decode_nodes_busy"
+    assert queue.parent_span_id == root.span_id
+    [bad] = receiver.request_trace("bad-1", 1)
+    assert bad.error and bad.attributes["error.type"] == "invalid_request_error"
+    assert bad.attributes["http.response.status_code"] == 400
+    assert bad.attributes["pd_router.outcome"] == "bad_request"
+    router.assert_idle()
+
+
 def test_a_trace_the_client_does_not_sample_is_not_recorded_but_passed_on(
     router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
 ) -> None:

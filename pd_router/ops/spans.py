@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -59,8 +60,9 @@ class Tracer:
         return RequestTrace(self._tracer, parent, path)
 
     def close(self) -> None:
-        """Export what is still queued, then stop the exporter's thread (blocking: the
-        exporter's own timeout, ``OTEL_EXPORTER_OTLP_TIMEOUT``, bounds each post)."""
+        """Export what is still queued, then stop the exporter's thread. Blocking: each
+        post gives up after ``OTEL_EXPORTER_OTLP_TIMEOUT`` (10 s), and the SDK after 30 s in
+        all, which only a collector that does not answer takes."""
         self.provider.shutdown()
 
 
@@ -82,7 +84,7 @@ class RequestTrace:
         "usage",
     )
 
-    def __init__(self, tracer: trace.Tracer, parent: Any, path: str) -> None:
+    def __init__(self, tracer: trace.Tracer, parent: Context | None, path: str) -> None:
         self._tracer = tracer
         self.root = tracer.start_span(
             f"POST {path}",
