@@ -162,6 +162,7 @@ def test_a_streamed_request_is_one_trace_continuing_the_clients(
         "tracestate": TRACESTATE,
     }
     assert continued(decoder, "streamed-1") == (CLIENT_TRACE, decode.span_id)
+    assert received(decoder, "streamed-1")["tracestate"] == TRACESTATE
     assert logged_trace_id(router, "streamed-1") == CLIENT_TRACE
 
 
