@@ -83,6 +83,8 @@ class OpenAIRoute:
             elif name == hops.HEADER:
                 via = value if via is None else via + b"," + value
         rid = request_id(rid_header)
+        tracer = self.router.tracer
+        trace = None if tracer is None else tracer.request(scope["headers"], PATHS[self.endpoint])
         try:
             # First: a loop is refused before anything of it is read or held.
             onward = hops.passed(via, self.mark)
@@ -91,11 +93,16 @@ class OpenAIRoute:
             raw = await _read_body(receive, declared, self.max_body_bytes)
             if raw is None:
                 self.router.telemetry.count(self.endpoint, "client_aborted")
+                if trace is not None:
+                    trace.finish(rid, "client_aborted", 0, None)
                 return
             body = parse_body(raw, self.endpoint)
-            relay = Relay(self.router, self.endpoint, body, rid, onward)
+            relay = Relay(self.router, self.endpoint, body, rid, onward, trace)
         except RouterError as error:
-            self.router.telemetry.count(self.endpoint, error.outcome or "bad_request")
+            outcome = error.outcome or "bad_request"
+            self.router.telemetry.count(self.endpoint, outcome)
+            if trace is not None:
+                trace.finish(rid, outcome, error.status, error)
             answer = ClientStream(rid)
             answer.attach(send)
             await answer.fail(error)
@@ -230,6 +237,9 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 tg.cancel_scope.cancel()
         finally:
             await router.upstream.close()
+            if router.tracer is not None:
+                # The last requests' spans go out before the process does.
+                await anyio.to_thread.run_sync(router.tracer.close)
 
     openai = {
         PATHS[endpoint]: OpenAIRoute(router, endpoint, options.max_body_bytes) for endpoint in PATHS

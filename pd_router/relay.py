@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -60,6 +60,9 @@ from pd_router.fleet.prefill import prefix_key
 from pd_router.fleet.registry import Binding, Fleet
 from pd_router.ops import logs
 from pd_router.ops.metrics import Telemetry, Timings
+
+if TYPE_CHECKING:
+    from pd_router.ops.spans import RequestTrace, Tracer
 
 log = logging.getLogger("pd_router")
 
@@ -90,6 +93,9 @@ class Router:
     # What this router adds to the marks of what it sends to engines (``edge/hops.py``);
     # one for all its --workers.
     mark: str = field(default_factory=hops.new_mark)
+    # Set where the router serves when tracing is on (``ops/tracing.py``); None: off, and
+    # then no request does any tracing work.
+    tracer: Tracer | None = None
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -116,6 +122,7 @@ class Relay:
         body: dict[str, Any],
         request_id: str,
         via: bytes = b"",
+        trace: RequestTrace | None = None,
     ) -> None:
         """``via``: the marks of the routers it passed through, this one's last
         (``edge/hops.py``), sent to the engines."""
@@ -142,6 +149,7 @@ class Relay:
         # Whether the prefill went where this prefix went last time (``RecentPrefixes``).
         self._prefix_hit: bool | None = None
         self._decode_node: Node | None = None
+        self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
@@ -171,9 +179,9 @@ class Relay:
             if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
             self.router.fleet.leave(self.request_id)
-            self._report()
+            self._report(error)
 
-    def _report(self) -> None:
+    def _report(self, error: RouterError | None) -> None:
         client = self.client
         now = time.perf_counter()
         # Time to the first byte of an answer; an error body is not a first token.
@@ -182,24 +190,30 @@ class Relay:
         telemetry = self.router.telemetry
         telemetry.count(self.endpoint, self.outcome)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
-        logs.request_finished(
-            {
-                "request_id": self.request_id,
-                "endpoint": self.endpoint,
-                "model": self.model[: models.MAX_ID],
-                "outcome": self.outcome,
-                "status": client.status,
-                "stream": self.stream,
-                "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
-                "prefix_hit": self._prefix_hit,
-                "decode_node": None if self._decode_node is None else self._decode_node.id,
-                "queued_s": _rounded(self._queued),
-                "prefill_s": _rounded(self._prefill_seconds),
-                "ttft_s": _rounded(ttft),
-                "duration_s": _rounded(now - self._arrived),
-                "bytes": client.bytes_sent,
-            }
-        )
+        model = self.model[: models.MAX_ID]
+        fields = {
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "model": model,
+            "outcome": self.outcome,
+            "status": client.status,
+            "stream": self.stream,
+            "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+            "prefix_hit": self._prefix_hit,
+            "decode_node": None if self._decode_node is None else self._decode_node.id,
+            "queued_s": _rounded(self._queued),
+            "prefill_s": _rounded(self._prefill_seconds),
+            "ttft_s": _rounded(ttft),
+            "duration_s": _rounded(now - self._arrived),
+            "bytes": client.bytes_sent,
+        }
+        trace = self.trace
+        if trace is not None:
+            fields["trace_id"] = trace.trace_id
+            trace.finish(
+                self.request_id, self.outcome, client.status, error, ttft, model, self.stream
+            )
+        logs.request_finished(fields)
 
     def fail(self, error: RouterError) -> None:
         if self._failure is not None or self.client.finished:
@@ -236,11 +250,16 @@ class Relay:
         # Unwound in reverse: engine connections closed, binding removed, slot released.
         # ``reserve`` puts the reservation inside the ``try`` that releases it (fleet/pool.py).
         models.check(self.model, fleet.offer)
+        trace = self.trace
+        if trace is not None:
+            trace.queue()
         async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation
             try:
                 self._queued = time.perf_counter() - self._arrived
                 self._decode_node = reservation.node
+                if trace is not None:
+                    trace.reserved(reservation.node)
                 if reservation.waited > 0.1:
                     log.info(
                         "queued %.1fs for decode node %s request_id=%s",
@@ -343,11 +362,14 @@ class Relay:
         self._prefill_node = node
         self._prefix_hit = fleet.prefill.recent.record(key, node)
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
+        url = node.url + self.path
+        trace = self.trace
+        headers = b"" if trace is None else trace.prefill(node, url, self._prefix_hit)
         prefilled = None
         try:
             # The engine pins the KV as it answers: a client leaving now must not strand it.
             with self._engine_has_it():
-                answer = await self._send(node, handshake.prefill_body(self.body))
+                answer = await self._send(node, url, handshake.prefill_body(self.body), headers)
                 try:
                     if answer.status != 200:
                         raise await answer.error()
@@ -370,6 +392,8 @@ class Relay:
             fleet.set_prefill(binding, None)
         if prefilled is not None:
             fleet.served(node)
+            if trace is not None:
+                trace.prefilled(prefilled.prompt_details)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
@@ -380,13 +404,16 @@ class Relay:
         when the client left and the engine did not get that far within the grace.
         """
         params = prefilled.kv_transfer_params
+        url = node.url + self.path
+        trace = self.trace
         with self._engine_has_it():
             drain = self.client_gone
             if drain:
                 body = handshake.drain_body(self.body, params)
             else:
                 body = handshake.decode_body(self.body, params)
-            answer = await self._send(node, body)
+            headers = b"" if trace is None else trace.decode(node, url, drain)
+            answer = await self._send(node, url, body, headers)
             first = b""
             if answer.status == 200:
                 try:
@@ -397,6 +424,8 @@ class Relay:
                         first = await answer.next_chunk()
                 except UpstreamError as error:
                     raise self._engine_failed(node, error) from None
+                if trace is not None:
+                    trace.handed()
             return answer, first
         return None
 
@@ -415,12 +444,11 @@ class Relay:
             finally:
                 self._handoff = None
 
-    async def _send(self, node: Node, body: dict[str, Any]) -> Response:
-        """One request to ``node``; the answer is closed when the request ends, if not before."""
+    async def _send(self, node: Node, url: str, body: dict[str, Any], headers: bytes) -> Response:
+        """One request to ``node`` at ``url``, with ``headers`` besides those every request
+        has; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(
-                node.url + self.path, body, self.request_id, self.via
-            )
+            answer = await self.router.upstream.post(url, body, self.request_id, self.via, headers)
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)
@@ -431,6 +459,8 @@ class Relay:
         the engine's role as well as its URL."""
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
+            if self.trace is not None:
+                self.trace.failed(error)
             self.router.telemetry.upstream_error(node, error.kind)
             evidence = error.evidence
             if evidence is not None:
@@ -451,13 +481,18 @@ class Relay:
         data: bytes,
     ) -> None:
         """Stream the answer, starting with ``data``, its bytes read in the hand-off."""
-        events = EventRelay(prefilled.fix_usage)
+        trace = self.trace
+        fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
+        events = EventRelay(fix)
         while data:
             try:
                 ready = events.feed(data)
             except ValueError as exc:
                 raise UpstreamError(f"{answer.url}: {exc}") from None
             if ready:
+                if trace is not None:
+                    # Events end with a blank line; inside one, line breaks are escaped.
+                    trace.events += ready.count(b"\n\n")
                 if not client.started:
                     # Headers go out with the first event, not before: the client sees
                     # both in one wake-up, and an engine failing before its first event
@@ -486,7 +521,9 @@ class Relay:
             document = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise UpstreamError(f"{answer.url}: answer is not JSON") from None
-        await client.respond(200, with_usage_fixed(raw, document, prefilled.fix_usage))
+        trace = self.trace
+        fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
+        await client.respond(200, with_usage_fixed(raw, document, fix))
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

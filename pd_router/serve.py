@@ -44,7 +44,7 @@ from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
-from pd_router.ops import logs
+from pd_router.ops import logs, tracing
 from pd_router.parser import Parser, parse
 from pd_router.relay import Router, Settings
 from pd_router.shared.pool import SharedPool
@@ -123,6 +123,13 @@ def _dns_server(text: str) -> tuple[str, int]:
     return host, number
 
 
+def _traces_url(text: str) -> str:
+    try:
+        return tracing.traces_url(text)
+    except tracing.TracingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @config.reads_number
 def _port(text: str) -> int:
     try:
@@ -198,6 +205,11 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
      "on SIGTERM, how long in-flight requests get to finish before they are failed"),
+    ("--otlp-traces-endpoint", _traces_url, None, "URL",
+     "export OpenTelemetry traces over OTLP/HTTP to this URL (a collector's "
+     "http://HOST:4318/v1/traces; /v1/traces is added to a URL without a path); unset, "
+     "the OTEL_EXPORTER_OTLP_*ENDPOINT variables turn tracing on, else it is off; needs "
+     f"{tracing.INSTALL}"),
 ]  # fmt: skip
 
 
@@ -315,6 +327,14 @@ def parse_router_args(
             f"{parser.prog}: error: --workers {args.workers} needs --state: without a shared "
             "pool each worker would count the slots on its own\n",
         )
+    # Decided and its packages imported here, before any fork; the exporter (a thread) is
+    # started where the router serves (``_serve``).
+    try:
+        args.tracing = tracing.wanted(args.otlp_traces_endpoint, environ)
+        if args.tracing is not None:
+            tracing.load(args.tracing)
+    except tracing.TracingError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return args
 
 
@@ -463,6 +483,9 @@ def _serve(
     logs.configure(args.log_level, args.log_format)
     if worker is not None:
         workers.tag_logs(worker, args.log_format)
+    if args.tracing is not None:
+        router.tracer = tracing.load(args.tracing)(args.tracing.endpoint)
+        log.info("tracing: OTLP/HTTP to %s (%s)", args.tracing.endpoint, args.tracing.source)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,
