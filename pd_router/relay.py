@@ -53,6 +53,7 @@ from pd_router.errors import (
     detached,
 )
 from pd_router.fleet import models
+from pd_router.fleet.holdings import Prompt, describe
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
 from pd_router.fleet.prefill import prefix_key
@@ -128,6 +129,8 @@ class Relay:
         self._prefill_node: Node | None = None
         # Whether the prefill went where this prefix went last time (``RecentPrefixes``).
         self._prefix_hit: bool | None = None
+        # Prompt tokens predicted cached on the prefill node (the cost policy).
+        self._predicted_cached: int | None = None
         self._decode_node: Node | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,6 +182,7 @@ class Relay:
                 "stream": self.stream,
                 "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
                 "prefix_hit": self._prefix_hit,
+                "predicted_cached": self._predicted_cached,
                 "decode_node": None if self._decode_node is None else self._decode_node.id,
                 "queued_s": _rounded(self._queued),
                 "prefill_s": _rounded(self._prefill_seconds),
@@ -301,14 +305,17 @@ class Relay:
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        first = prefill.pick(key, model=self.model)
+        prompt = describe(self.body, self.router.fleet.kv.ratio) if prefill.reads_prompt else None
+        first = prefill.pick(key, model=self.model, prompt=prompt)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
-            return await self._prefill_on(first, binding, key)
+            return await self._prefill_on(first, binding, key, prompt)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
-            second = prefill.pick(key, avoid=first, model=self.model) if retry else None
+            second = (
+                prefill.pick(key, avoid=first, model=self.model, prompt=prompt) if retry else None
+            )
             if second is None:
                 raise
             log.warning(
@@ -318,17 +325,19 @@ class Relay:
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding, key)
+            return await self._prefill_on(second, binding, key, prompt)
 
     async def _prefill_on(
-        self, node: Node, binding: Binding, key: int
+        self, node: Node, binding: Binding, key: int, prompt: Prompt | None
     ) -> handshake.Prefilled | None:
         fleet = self.router.fleet
         # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
         # the prefill policy counts them.
         fleet.set_prefill(binding, node)
         self._prefill_node = node
-        self._prefix_hit = fleet.prefill.recent.record(key, node)
+        placement = fleet.prefill.place(node, key, prompt)
+        self._prefix_hit = placement.hit
+        self._predicted_cached = placement.cached
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
         prefilled = None
         try:
@@ -354,9 +363,12 @@ class Relay:
                     self._open.remove(answer)
                     answer.close()
         finally:
+            fleet.prefill.release(placement)
             fleet.set_prefill(binding, None)
         if prefilled is not None:
             fleet.served(node)
+            if prompt is not None:
+                fleet.kv.calibrate(prompt, prefilled.prompt_tokens)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:

@@ -52,7 +52,7 @@ def drain_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict
 class Prefilled:
     """What the router keeps from a prefill answer."""
 
-    __slots__ = ("kv_transfer_params", "prompt_details")
+    __slots__ = ("kv_transfer_params", "prompt_details", "prompt_tokens")
 
     def __init__(self, answer: Any) -> None:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -63,6 +63,8 @@ class Prefilled:
             )
         self.kv_transfer_params: dict[str, Any] = params
         usage = answer.get("usage")
+        # The engine's count of the prompt: what the router's estimate learns from.
+        self.prompt_tokens: object = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         # The decode engine reports the whole transferred prompt as cached; what was
         # really served from cache is what the prefill engine saw.
