@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-CHUNK_BYTES = 64
+CHUNK_BYTES = 256
 BYTES_PER_TOKEN = 4
 CHUNK_TOKENS = CHUNK_BYTES // BYTES_PER_TOKEN
 # A GPU's KV cache for an 8B model holds a few hundred thousand tokens.
