@@ -83,6 +83,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -144,6 +154,10 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--engine-cache-tokens", _positive, DEFAULT_CACHE_TOKENS, "N",
      "tokens of KV each engine's prefix cache is taken to hold (--prefill-policy cost): "
      "the router forgets, least recently used first, what an engine would have evicted"),
+    ("--max-local-prefill", _count, 0, "N",
+     "send a request whose prompt has at most N tokens not predicted cached on its decode "
+     "node straight to that node, which computes it (no prefill engine); 0: always "
+     "disaggregate"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
      "take the KV before the router drops the request"),
@@ -357,7 +371,11 @@ def build_router(args: argparse.Namespace) -> Router:
             read_timeout=args.read_timeout,
             max_response_bytes=args.max_response_bytes,
         ),
-        settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
+        settings=Settings(
+            queue_timeout=args.queue_timeout,
+            handoff_grace=args.handoff_grace,
+            max_local_prefill=args.max_local_prefill,
+        ),
         discovery=discovery,
     )
 

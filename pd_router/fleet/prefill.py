@@ -24,9 +24,10 @@ keeps from the prefill request's start to its end on every path).
 tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt
 this router sent there and the node has not evicted since) plus the uncached tokens of the
 prefills this router has waiting or running there. Ties go to the node the prompt's first
-chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
-spreads conversations and is the same on every router. Load bounds it as it bounds
-``prefix``, by the share of this router's recent prefills each node was given (below).
+chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing (after the
+node given the fewest recent prefills), which spreads conversations. Load bounds it as it
+bounds ``prefix``, by the share of this router's recent prefills each node was given
+(``SHARE_FACTOR`` x the mean + 1 of the last ``RECENT_PER_NODE`` x nodes).
 
 ``least_loaded`` picks the node with the fewest outstanding prefills (ties in turn);
 ``round_robin`` takes the nodes in turn.
@@ -56,12 +57,15 @@ KEY_IDS = KEY_CHARS // 4
 # The load a node may carry over the mean before its keys spill (the c of bounded loads):
 # 1.25 keeps the busiest node within 25% (+1) of the mean and most keys at home.
 LOAD_FACTOR = 1.25
-# The cost policy's balance: a node given more than LOAD_FACTOR x the mean (+1) of the
+# The cost policy's balance: a node given more than SHARE_FACTOR x the mean (+1) of the
 # last RECENT_PER_NODE x nodes prefills is passed over. Without it a shared opening (a
 # system prompt) makes the first node that holds it the cheapest for every new
 # conversation while prefills are too quick to queue: one engine's cache would hold every
-# conversation and the others idle.
-RECENT_PER_NODE = 8
+# conversation and the others idle. 1.2 over a long window keeps prefills per engine
+# within the 1.5 max/min the benchmark aims at while moving few conversations
+# (benchmarks/routing_bench.py; 1.4 let RAG's hot document reach 2.3).
+RECENT_PER_NODE = 32
+SHARE_FACTOR = 1.2
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -264,7 +268,7 @@ class Cost(Prefix):
 
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
-        limit = LOAD_FACTOR * sum(counts.get(node.id, 0) for node in live) / len(live) + 1
+        limit = SHARE_FACTOR * sum(counts.get(node.id, 0) for node in live) / len(live) + 1
         best: list[Node] = []
         best_cost = deepest = 0
         for node in live:
@@ -279,9 +283,12 @@ class Cost(Prefix):
                 deepest = max(deepest, held)
         if len(best) == 1:
             return best[0]
-        # The first chunk none of the tied nodes holds names what is new in this prompt
-        # (a conversation's latest turn, the question after a shared document): ranking
-        # by it spreads conversations, and every router ranks alike.
+        # Ties go to the node given the fewest recent prefills (the bound only caps the
+        # busiest), then by the first chunk none of the tied nodes holds, which names what
+        # is new in this prompt (a conversation's latest turn, the question after a shared
+        # document): ranking by it spreads conversations, and every router ranks alike.
+        fewest = min(counts.get(node.id, 0) for node in best)
+        best = [node for node in best if counts.get(node.id, 0) == fewest]
         if deepest < len(chunks):
             key = chunks[deepest]
         salts = self._salts

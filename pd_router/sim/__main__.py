@@ -35,6 +35,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="sim-model")
     parser.add_argument("--max-model-len", type=_positive, default=4096)
     parser.add_argument("--prefill-delay", type=_non_negative, default=0.0)
+    parser.add_argument("--block-size", type=_positive, default=16)
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=_positive,
+        default=1 << 20,
+        help="blocks the prefix cache holds (least recently used evicted first)",
+    )
+    parser.add_argument(
+        "--prefill-per-token",
+        type=_non_negative,
+        default=0.0,
+        help="seconds of compute per prompt token not in the prefix cache (decode: for a "
+        "local prefill, with --standalone)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,19 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = roles.add_parser("prefill", help="kv_producer: computes prompts, pins KV")
     _common(prefill)
     prefill.add_argument("--kv-lease", type=_non_negative, default=30.0)
-    prefill.add_argument("--block-size", type=_positive, default=16)
-    prefill.add_argument(
-        "--prefix-cache-blocks",
-        type=_positive,
-        default=1 << 20,
-        help="blocks the prefix cache holds (least recently used evicted first)",
-    )
-    prefill.add_argument(
-        "--prefill-per-token",
-        type=_non_negative,
-        default=0.0,
-        help="seconds of compute per prompt token not in the prefix cache",
-    )
     prefill.add_argument(
         "--prefill-concurrency",
         type=_positive,
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument(
         "--standalone",
         action="store_true",
-        help="also serve requests without kv_transfer_params, like a plain engine",
+        help="also serve requests without kv_transfer_params, computing their prompt "
+        "(a local prefill), as a vLLM kv_consumer does",
     )
     return parser
 
@@ -86,11 +88,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     # Each role imports only its own module: aiohttp, which only decode needs, is the
     # slowest import here and start-up time is what a test fleet waits for.
     role: Role = args.role
-    config = SimConfig(prefill_delay=args.prefill_delay)
+    config = SimConfig(prefill_delay=args.prefill_delay, prefill_per_token=args.prefill_per_token)
     if role == "prefill":
         from pd_router.sim.prefill import PrefillEngine
 
-        config.prefill_per_token = args.prefill_per_token
         settings = EngineSettings(
             role=role,
             host=args.host,
@@ -116,6 +117,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
         port=args.port,
         engine_id=args.engine_id or f"sim-decode-{args.port}",
         model=args.model,
+        block_size=args.block_size,
+        prefix_cache_blocks=args.prefix_cache_blocks,
         max_model_len=args.max_model_len,
         slots=args.slots,
         standalone=args.standalone,

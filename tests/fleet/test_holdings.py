@@ -110,8 +110,9 @@ def test_a_conversations_turns_go_back_to_the_node_that_holds_them() -> None:
                     assert placement.cached and placement.cached > prompt.tokens // 2
                 homes[conversation] = node
                 policy.release(placement)
-        # The rest moved where the bound sent them, and stays there.
-        assert home >= 0.8 * 16 * 3, home
+        # The rest moved where the load bound sent them (16 sequential conversations on
+        # 4 nodes make it bind), and stay there.
+        assert home >= 0.7 * 16 * 3, home
 
 
 def test_waiting_work_moves_a_prefill_to_an_idle_node_when_it_costs_less() -> None:
