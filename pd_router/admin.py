@@ -35,7 +35,8 @@ def _error_body(message: str, code: str, param: str | None = None) -> dict[str, 
     return {"error": {"message": message, "type": "admin_error", "param": param, "code": code}}
 
 
-def node_view(node: Node) -> dict[str, Any]:
+def node_view(node: Node, fleet: Fleet) -> dict[str, Any]:
+    stream = fleet.events.streams.get(node.id)
     return {
         "id": node.id,
         "url": node.url,
@@ -51,6 +52,8 @@ def node_view(node: Node) -> dict[str, Any]:
         "source": node.source,
         # None until the node's /v1/models has been read (it may serve any model till then).
         "models": None if node.models is None else sorted(node.models),
+        # The engine's KV event stream (``kv_events=PORT``), None if it has none.
+        "kv_events": None if stream is None else stream.view(),
     }
 
 
@@ -103,7 +106,7 @@ def admin_routes(
             return None
 
     async def list_nodes(request: Request) -> Response:
-        nodes = [node_view(node) for node in fleet.nodes]
+        nodes = [node_view(node, fleet) for node in fleet.nodes]
         document = {
             "nodes": nodes,
             "serving_view": fleet.serving_view(),
@@ -149,7 +152,7 @@ def admin_routes(
             node = await members.add(url, spec["role"], slots, labels)
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
-        return _json(node_view(node), 201)
+        return _json(node_view(node, fleet), 201)
 
     async def drain_node(request: Request) -> Response:
         node = find(request)
@@ -160,7 +163,7 @@ def admin_routes(
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
         # Accepted, not done: in-flight requests finish in their own time.
-        return _json(node_view(node), 202)
+        return _json(node_view(node, fleet), 202)
 
     async def remove_node(request: Request) -> Response:
         node = find(request)

@@ -25,6 +25,7 @@ from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.engines.kvevents import follow
 from pd_router.engines.watch import (
     learn_models,
     probe,
@@ -191,6 +192,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(supervise, "the prober", prober)
                     learn = partial(watch_models, fleet, router.upstream, options.health_interval)
                     tg.start_soon(supervise, "the model watch", learn)
+                events = partial(follow, fleet.prefill.nodes, fleet.events)
+                tg.start_soon(supervise, "the KV event subscribers", events)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)

@@ -372,6 +372,7 @@ class Relay:
         placement = fleet.prefill.place(node, key, prompt)
         self._prefix_hit = placement.hit
         self._predicted_cached = placement.cached
+        self._cache_source = "events" if fleet.events.live(node.id) else "prediction"
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
         prefilled = None
         try:

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
-import openai
+import time
+from typing import Any
 
-from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RouterProcess
+import httpx
+import openai
+import zmq
+
+from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
+from tests.helpers import RouterProcess, wait_for
 
 ENGINE = ["--block-size", "4"]
 # A decode engine that serves a request with no kv_transfer_params by computing it itself,
@@ -90,3 +95,80 @@ def test_cost_sends_each_turn_where_the_conversation_is_cached() -> None:
                     content = answer.choices[0].message.content or ""
                     messages.append({"role": "assistant", "content": content})
             router.assert_idle()
+
+
+TOKEN = "routing"
+
+
+def stream_of(router: RouterProcess) -> dict[str, Any]:
+    answer = httpx.get(
+        f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    )
+    node = next(node for node in answer.json()["nodes"] if node["role"] == "prefill")
+    return node["kv_events"]  # type: ignore[no-any-return]
+
+
+def test_the_router_follows_an_engines_kv_events_and_forgets_what_it_cleared() -> None:
+    port = free_port()
+    prefill_args = [*ENGINE, "--kv-events-port", str(port)]
+    with SimFleet(1, 1, prefill_args=prefill_args, decode_args=ENGINE) as fleet:
+        engines = [f"{fleet.prefill[0].url},kv_events={port}"], urls(fleet.decode)
+        args = ["--prefill-policy", "cost", "--admin-token", TOKEN]
+        with RouterProcess(*engines, *args) as router:
+            client = client_for(router)
+            wait_for(lambda: stream_of(router)["endpoint"] is not None, what="a subscriber")
+            long = words("w", 400)
+            turns = [long, long + " more", long + " more and more"]
+            # ZMQ subscribers join late: send until the engine's events are seen.
+            deadline = time.monotonic() + 30
+            while stream_of(router)["state"] != "live" and time.monotonic() < deadline:
+                client.completions.create(model="sim-model", prompt=turns[0], max_tokens=2)
+                time.sleep(0.2)
+            stream = stream_of(router)
+            assert stream["state"] == "live" and stream["blocks"] >= 100, stream
+            client.completions.create(model="sim-model", prompt=turns[1], max_tokens=2)
+            fleet.prefill[0].reset()  # the engine's cache is emptied: AllBlocksCleared
+            wait_for(lambda: stream_of(router)["clears"] == 1, what="the clear seen")
+            client.completions.create(model="sim-model", prompt=turns[2], max_tokens=2)
+            metrics = router.metrics()
+            assert (
+                metrics[
+                    "pd_router_kv_event_stream{node=0,state=live,url=%s}" % (fleet.prefill[0].url)
+                ]
+                == 1
+            )
+            lines = [line for line in router.log().splitlines() if "request_id=" in line]
+        second, third = lines[-2], lines[-1]
+        assert "cache_source=events" in second and "predicted_cached=0 " not in second
+        # The router forgot what the engine said it no longer holds.
+        assert "cache_source=events" in third and "predicted_cached=0 " in third
+
+
+def test_garbage_on_an_event_stream_degrades_it_and_requests_go_on() -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with SimFleet(1, 1, prefill_args=ENGINE, decode_args=ENGINE) as fleet:
+            engines = [f"{fleet.prefill[0].url},kv_events={port}"], urls(fleet.decode)
+            args = ["--prefill-policy", "cost", "--admin-token", TOKEN]
+            with RouterProcess(*engines, *args) as router:
+
+                def degraded() -> bool:
+                    publisher.send_multipart([b"kv-events", b"\x00" * 8, b"\xc1 not msgpack"])
+                    return bool(stream_of(router)["state"] == "degraded")
+
+                wait_for(degraded, timeout=30, what="the stream degraded")
+                answer = client_for(router).completions.create(
+                    model="sim-model", prompt="still served", max_tokens=2
+                )
+                assert answer.choices[0].text
+                url = fleet.prefill[0].url
+                faults = router.metrics()[
+                    f"pd_router_kv_event_faults_total{{kind=garbage,node=0,url={url}}}"
+                ]
+                assert faults >= 1
+                assert stream_of(router)["last_fault"]
+    finally:
+        publisher.close(linger=0)
+        context.term()

@@ -184,12 +184,20 @@ class KvView:
         self.ratio = 1.0
         self._calibrated = False
         self._by_node: dict[int, Holdings] = {}
+        # An engine's cache as its KV events showed it (``fleet/kvevents.py``), by node id.
+        self._capacity: dict[int, int] = {}
 
     def of(self, node_id: int) -> Holdings:
         holdings = self._by_node.get(node_id)
         if holdings is None:
-            holdings = self._by_node[node_id] = Holdings(self.cache_tokens, self.ratio)
+            capacity = self._capacity.get(node_id, self.cache_tokens)
+            holdings = self._by_node[node_id] = Holdings(capacity, self.ratio)
         return holdings
+
+    def set_capacity(self, node_id: int, tokens: int) -> None:
+        """The engine's cache holds ``tokens`` of its tokens (its events said so)."""
+        self._capacity[node_id] = tokens
+        self.of(node_id).resize(tokens, self.ratio)
 
     def calibrate(self, prompt: Prompt, engine_tokens: object) -> None:
         """An engine counted ``engine_tokens`` for a text prompt the router estimated."""
@@ -204,10 +212,11 @@ class KvView:
             self.ratio += CALIBRATION_WEIGHT * (seen - self.ratio)
         else:
             self.ratio, self._calibrated = seen, True
-        for holdings in self._by_node.values():
-            holdings.resize(self.cache_tokens, self.ratio)
+        for node_id, holdings in self._by_node.items():
+            holdings.resize(self._capacity.get(node_id, self.cache_tokens), self.ratio)
 
     def forget(self, keep: set[int]) -> None:
         """Nodes removed from the fleet: what they held goes with them."""
         for node_id in [node_id for node_id in self._by_node if node_id not in keep]:
             del self._by_node[node_id]
+            self._capacity.pop(node_id, None)

@@ -24,6 +24,7 @@ from typing import Protocol
 from pd_router.errors import NodeDead, RouterError, Stalled
 from pd_router.fleet import models
 from pd_router.fleet.holdings import KvView
+from pd_router.fleet.kvevents import EventStreams
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, Role, State
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
@@ -88,6 +89,8 @@ class Fleet:
         self.clock = clock
         # What each engine is predicted to hold (``fleet/holdings.py``).
         self.kv = kv if kv is not None else KvView()
+        # The KV event streams of the engines that publish them (``engines/kvevents.py``).
+        self.events = EventStreams(self.kv)
         self.prefill = POLICIES[prefill_policy](prefill, self.kv)
         # In-process by default; shared by every router on one Redis with ``--state``.
         self.pool = pool(decode)

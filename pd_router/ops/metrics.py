@@ -200,6 +200,27 @@ class _StateCollector(Collector):
             predicted.add_metric([where, origin], self._telemetry.predicted_cached[where, origin])
         yield placements
         yield predicted
+        faults = CounterMetricFamily(
+            "pd_router_kv_event_faults",
+            "KV event stream faults per engine, by kind (gap: events missed, the subscriber "
+            "fell behind; garbage: a message that is not vLLM's; disconnected): each makes "
+            "the stream degraded, the router predicting from its own placements.",
+            labels=["node", "url", "kind"],
+        )
+        streams = GaugeMetricFamily(
+            "pd_router_kv_event_stream",
+            "1 for each engine's KV event stream state (waiting, live, degraded).",
+            labels=["node", "url", "state"],
+        )
+        for node in fleet.prefill.nodes:
+            stream = fleet.events.streams.get(node.id)
+            if stream is None:
+                continue
+            for kind, count in sorted(stream.faults.items()):
+                faults.add_metric([str(node.id), node.url, kind], count)
+            streams.add_metric([str(node.id), node.url, stream.state], 1.0)
+        yield faults
+        yield streams
         yield GaugeMetricFamily(
             "pd_router_queue_depth", "Requests waiting for a decode slot.", value=pool.queue_depth
         )

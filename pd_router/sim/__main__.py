@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(prefill)
     prefill.add_argument("--kv-lease", type=_non_negative, default=30.0)
     prefill.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="publish KV cache events on this port (ZMQ PUB, vLLM's wire format)",
+    )
+    prefill.add_argument(
         "--prefill-concurrency",
         type=_positive,
         default=1024,
@@ -103,6 +108,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             prefill_concurrency=args.prefill_concurrency,
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
+            kv_events_port=args.kv_events_port,
         )
         return PrefillEngine(settings, config)
     from pd_router.sim.decode import DecodeEngine

@@ -26,6 +26,8 @@ class EngineSettings:
     kv_lease: float = 30.0
     slots: int = 64
     standalone: bool = False
+    # Publish KV cache events on this port (vLLM's ZMQ wire format); None: no events.
+    kv_events_port: int | None = None
 
 
 @dataclass
