@@ -41,6 +41,7 @@ from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import RemoteAborts
 from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.placements import SharedPlacements
 from pd_router.shared.pool import SharedPool
 
 MAX_BODY_BYTES = 32 << 20
@@ -120,9 +121,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
+    placements = None
     membership: Membership = LocalMembership(fleet)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
+        placements = SharedPlacements(fleet.pool.redis, fleet.pool.router_id, fleet)
         membership = SharedFleet(fleet, fleet.pool, probes=options.health_interval > 0)
 
     async def models(request: Request) -> Response:
@@ -207,6 +210,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
+                if placements is not None:
+                    tg.start_soon(supervise, "the placements channel", placements.run)
                 stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
                 tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield

@@ -282,7 +282,8 @@ class Relay:
             return
         if prompt is not None:
             # The decode engine holds the prompt now, pulled or computed.
-            fleet.kv.of(binding.decode.id).insert(prompt.chunks)
+            node = binding.decode
+            fleet.kv.placed(node.id, node.role, node.url, prompt)
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}

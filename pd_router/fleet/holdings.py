@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +187,10 @@ class KvView:
         self._by_node: dict[int, Holdings] = {}
         # An engine's cache as its KV events showed it (``fleet/kvevents.py``), by node id.
         self._capacity: dict[int, int] = {}
+        # With ``--state``: what this router placed, for the routers sharing it
+        # (``shared/placements.py``): (role, url, chunks, tokens), the oldest dropped when
+        # full.
+        self.outbox: deque[tuple[str, str, list[int], int]] | None = None
 
     def of(self, node_id: int) -> Holdings:
         holdings = self._by_node.get(node_id)
@@ -193,6 +198,12 @@ class KvView:
             capacity = self._capacity.get(node_id, self.cache_tokens)
             holdings = self._by_node[node_id] = Holdings(capacity, self.ratio)
         return holdings
+
+    def placed(self, node_id: int, role: str, url: str, prompt: Prompt) -> None:
+        """This router sent the prompt there: the engine holds it from now on."""
+        self.of(node_id).insert(prompt.chunks)
+        if self.outbox is not None and prompt.chunks:
+            self.outbox.append((role, url, prompt.chunks, prompt.tokens))
 
     def set_capacity(self, node_id: int, tokens: int) -> None:
         """The engine's cache holds ``tokens`` of its tokens (its events said so)."""

@@ -24,10 +24,9 @@ keeps from the prefill request's start to its end on every path).
 tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt
 this router sent there and the node has not evicted since) plus the uncached tokens of the
 prefills this router has waiting or running there. Ties go to the node the prompt's first
-chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing (after the
-node given the fewest recent prefills), which spreads conversations. Load bounds it as it
-bounds ``prefix``, by the share of this router's recent prefills each node was given
-(``SHARE_FACTOR`` x the mean + 1 of the last ``RECENT_PER_NODE`` x nodes).
+chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
+spreads conversations. A share term balances it: a node given more than its share of this
+router's recent prefills costs more (``SHARE_WEIGHT``), one given less costs less.
 
 ``least_loaded`` picks the node with the fewest outstanding prefills (ties in turn);
 ``round_robin`` takes the nodes in turn.
@@ -57,15 +56,15 @@ KEY_IDS = KEY_CHARS // 4
 # The load a node may carry over the mean before its keys spill (the c of bounded loads):
 # 1.25 keeps the busiest node within 25% (+1) of the mean and most keys at home.
 LOAD_FACTOR = 1.25
-# The cost policy's balance: a node given more than SHARE_FACTOR x the mean (+1) of the
-# last RECENT_PER_NODE x nodes prefills is passed over. Without it a shared opening (a
-# system prompt) makes the first node that holds it the cheapest for every new
-# conversation while prefills are too quick to queue: one engine's cache would hold every
-# conversation and the others idle. 1.2 over a long window keeps prefills per engine
-# within the 1.5 max/min the benchmark aims at while moving few conversations
-# (benchmarks/routing_bench.py; 1.4 let RAG's hot document reach 2.3).
+# The cost policy's balance: of the last RECENT_PER_NODE x nodes prefills, each one a node
+# was given over its share adds SHARE_WEIGHT x the mean prompt to its cost (each one under,
+# takes it off). Without it a shared opening (a system prompt) makes the first node that
+# holds it the cheapest for every new conversation while prefills are too quick to queue:
+# one engine's cache would hold every conversation and the others idle. A soft term moves
+# what is cheap to move first (a new conversation, which gives up a shared opening), not a
+# conversation's later turn (which would give up all of it), as a hard bound would.
 RECENT_PER_NODE = 32
-SHARE_FACTOR = 1.2
+SHARE_WEIGHT = 0.25
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -206,6 +205,10 @@ class PrefillPolicy:
     def release(self, placement: Placement) -> None:
         """The prefill ``place`` returned ended, however it did."""
 
+    def heard(self, node: Node, prompt: Prompt) -> None:
+        """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
+        self.view.of(node.id).insert(prompt.chunks)
+
 
 class RoundRobin(PrefillPolicy):
     name = "round_robin"
@@ -262,20 +265,25 @@ class Cost(Prefix):
         super().__init__(nodes, view)
         # Uncached prompt tokens of this router's prefills placed on each node, by id.
         self.waiting: dict[int, int] = {}
-        # The nodes of the last ``RECENT_PER_NODE`` x nodes placements, and their counts.
-        self._recent: deque[int] = deque()
+        # The last ``RECENT_PER_NODE`` x nodes placements (node id, prompt tokens), how
+        # many each node was given, and their prompt tokens in all.
+        self._recent: deque[tuple[int, int]] = deque()
         self._counts: dict[int, int] = {}
+        self._tokens = 0
 
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
-        limit = SHARE_FACTOR * sum(counts.get(node.id, 0) for node in live) / len(live) + 1
+        # The share term: a node given more than its share of the recent prefills costs
+        # the mean prompt more per prefill over the mean, one given less costs that less.
+        total = sum(counts.get(node.id, 0) for node in live)
+        weight = SHARE_WEIGHT * self._tokens / max(len(self._recent), 1) / len(live)
         best: list[Node] = []
-        best_cost = deepest = 0
+        best_cost = 0.0
+        deepest = 0
         for node in live:
-            if counts.get(node.id, 0) > limit:
-                continue
             held = view.of(node.id).held(chunks)
-            cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0)
+            share = (counts.get(node.id, 0) * len(live) - total) * weight
+            cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0) + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
@@ -283,12 +291,9 @@ class Cost(Prefix):
                 deepest = max(deepest, held)
         if len(best) == 1:
             return best[0]
-        # Ties go to the node given the fewest recent prefills (the bound only caps the
-        # busiest), then by the first chunk none of the tied nodes holds, which names what
-        # is new in this prompt (a conversation's latest turn, the question after a shared
+        # Ties go by the first chunk none of the tied nodes holds, which names what is new
+        # in this prompt (a conversation's latest turn, the question after a shared
         # document): ranking by it spreads conversations, and every router ranks alike.
-        fewest = min(counts.get(node.id, 0) for node in best)
-        best = [node for node in best if counts.get(node.id, 0) == fewest]
         if deepest < len(chunks):
             key = chunks[deepest]
         salts = self._salts
@@ -302,17 +307,24 @@ class Cost(Prefix):
         self.waiting[node.id] = self.waiting.get(node.id, 0) + work
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
-        holdings.insert(prompt.chunks)
-        self._count(node.id)
+        self.view.placed(node.id, node.role, node.url, prompt)
+        self._count(node.id, prompt.tokens)
         return Placement(node, cached > 0, cached, work)
 
-    def _count(self, node_id: int) -> None:
+    def heard(self, node: Node, prompt: Prompt) -> None:
+        """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
+        self.view.of(node.id).insert(prompt.chunks)
+        self._count(node.id, prompt.tokens)
+
+    def _count(self, node_id: int, tokens: int) -> None:
         recent, counts = self._recent, self._counts
-        recent.append(node_id)
+        recent.append((node_id, tokens))
         counts[node_id] = counts.get(node_id, 0) + 1
+        self._tokens += tokens
         if len(recent) > RECENT_PER_NODE * max(len(self.nodes), 1):
-            gone = recent.popleft()
+            gone, gone_tokens = recent.popleft()
             counts[gone] -= 1
+            self._tokens -= gone_tokens
 
     def release(self, placement: Placement) -> None:
         node_id = placement.node.id

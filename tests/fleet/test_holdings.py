@@ -124,14 +124,16 @@ def test_waiting_work_moves_a_prefill_to_an_idle_node_when_it_costs_less() -> No
     policy.release(policy.place(home, 0, first))
     later = describe(completion(1, 1))
     saving = later.cached(len(first.chunks))
-    # Less waiting than the cache saves: still home.
-    busy = policy.place(home, 0, describe({"model": "m", "prompt": "x" * 4 * (saving - 50)}))
+    # Work waiting there, less than the cache saves: still home.
+    policy.waiting[home.id] = saving // 2
     assert policy.pick(0, prompt=later) is home
-    policy.release(busy)
     # More than it saves: the other node.
-    busy = policy.place(home, 0, describe({"model": "m", "prompt": "y" * 4 * (saving + 50)}))
+    policy.waiting[home.id] = saving + later.tokens
     assert policy.pick(0, prompt=later) is not home
-    policy.release(busy)
+    policy.waiting.clear()
+    placement = policy.place(home, 0, later)
+    assert policy.waiting == {home.id: later.tokens - saving}, "what it computes waits there"
+    policy.release(placement)
     assert not policy.waiting, "released work is forgotten"
 
 
