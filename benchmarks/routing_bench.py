@@ -14,9 +14,10 @@ sessions at a time: the prompt tokens the prefill engines served from cache as a
 the ceiling's share, prefills per engine (max/min), TTFT p50/p99 as the client sees it.
 
 Configurations: pd-router with ``--prefill-policy cost`` (told each engine's cache size),
-``prefix`` and ``round_robin``; vllm-router ``--policy cache_aware`` (if installed, see
-benchmarks/README.md); and, with ``--state``-sharing routers, ``cost`` through two routers
-with every step through the other one (``--redis`` runs a redis-server for them).
+the same with ``--max-local-prefill``, ``prefix`` and ``round_robin``; vllm-router
+``--policy cache_aware`` (if installed, see benchmarks/README.md); and ``cost`` through two
+routers sharing ``--state`` (a redis-server of the benchmark's own,
+``tests/redis_server.py``), every step of a session through the other one.
 Every process started is stopped by its PID on every exit path.
 """
 
@@ -42,6 +43,7 @@ from benchmarks.processes import (  # noqa: E402
 )
 from benchmarks.workloads.shapes import SHAPES, Run, Shape, play  # noqa: E402
 from pd_router.sim.fleet import EngineProcess, RouterProcess, ServerProcess  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 BLOCK = 16
 
@@ -157,7 +159,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                 executable, urls, decode_urls, policy="cache_aware"
             )
         ceiling = router([single.url], "--prefill-policy", "round_robin")
-        processes: list[ServerProcess] = [*prefill, single, *decode, *routers.values(), ceiling]
+        redis = stack.enter_context(RedisServer())
+        shared = ["--prefill-policy", "cost", "--engine-cache-tokens", cache_tokens]
+        pair = [router(urls, *shared, "--state", redis.url) for _ in range(2)]
+        processes: list[ServerProcess] = [
+            *prefill,
+            single,
+            *decode,
+            *routers.values(),
+            *pair,
+            ceiling,
+        ]
         for process in processes:
             stack.callback(process.stop)
             process.start()
@@ -175,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 measure(label, [process], prefill, decode, shape)
                 for label, process in routers.items()
             ]
+            runs.append(measure("cost, 2 routers, --state", pair, prefill, decode, shape))
             best = measure("1 node, unbounded cache", [ceiling], [single], decode, shape)
             report(name, runs, best)
             document["shapes"][name] = [  # type: ignore[index]

@@ -64,7 +64,7 @@ LOAD_FACTOR = 1.25
 # what is cheap to move first (a new conversation, which gives up a shared opening), not a
 # conversation's later turn (which would give up all of it), as a hard bound would.
 RECENT_PER_NODE = 32
-SHARE_WEIGHT = 0.25
+SHARE_WEIGHT = 0.1
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
