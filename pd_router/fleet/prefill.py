@@ -26,7 +26,8 @@ this router sent there and the node has not evicted since) plus the uncached tok
 prefills this router has waiting or running there. Ties go to the node the prompt's first
 chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
 spreads conversations. A share term balances it: a node given more than its share of this
-router's recent prefills costs more (``SHARE_WEIGHT``), one given less costs less.
+router's recent prefills costs the mean prefill's work more per prefill over its share,
+one given less costs less.
 
 ``least_loaded`` picks the node with the fewest outstanding prefills (ties in turn);
 ``round_robin`` takes the nodes in turn.
@@ -57,14 +58,16 @@ KEY_IDS = KEY_CHARS // 4
 # 1.25 keeps the busiest node within 25% (+1) of the mean and most keys at home.
 LOAD_FACTOR = 1.25
 # The cost policy's balance: of the last RECENT_PER_NODE x nodes prefills, each one a node
-# was given over its share adds SHARE_WEIGHT x the mean prompt to its cost (each one under,
-# takes it off). Without it a shared opening (a system prompt) makes the first node that
-# holds it the cheapest for every new conversation while prefills are too quick to queue:
+# was given over its share, beyond one, adds SHARE_WEIGHT x the mean prefill's work
+# (uncached tokens) to its cost (each one under, beyond one, takes it off): what one more
+# prefill there is predicted to cost. Without it a shared opening (a system prompt) makes
+# the first node that holds it the cheapest for every new conversation while prefills are
+# too quick to queue:
 # one engine's cache would hold every conversation and the others idle. A soft term moves
 # what is cheap to move first (a new conversation, which gives up a shared opening), not a
 # conversation's later turn (which would give up all of it), as a hard bound would.
 RECENT_PER_NODE = 32
-SHARE_WEIGHT = 0.1
+SHARE_WEIGHT = 1.0
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -265,8 +268,8 @@ class Cost(Prefix):
         super().__init__(nodes, view)
         # Uncached prompt tokens of this router's prefills placed on each node, by id.
         self.waiting: dict[int, int] = {}
-        # The last ``RECENT_PER_NODE`` x nodes placements (node id, prompt tokens), how
-        # many each node was given, and their prompt tokens in all.
+        # The last ``RECENT_PER_NODE`` x nodes placements (node id, uncached tokens), how
+        # many each node was given, and their uncached tokens in all.
         self._recent: deque[tuple[int, int]] = deque()
         self._counts: dict[int, int] = {}
         self._tokens = 0
@@ -274,15 +277,15 @@ class Cost(Prefix):
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
         # The share term: a node given more than its share of the recent prefills costs
-        # the mean prompt more per prefill over the mean, one given less costs that less.
-        total = sum(counts.get(node.id, 0) for node in live)
-        weight = SHARE_WEIGHT * self._tokens / max(len(self._recent), 1) / len(live)
+        # the mean prefill's work more per prefill over, one given less costs that less.
+        mean = sum(counts.get(node.id, 0) for node in live) / len(live)
+        weight = SHARE_WEIGHT * self._tokens / max(len(self._recent), 1)
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
         for node in live:
             held = view.of(node.id).held(chunks)
-            share = (counts.get(node.id, 0) * len(live) - total) * weight
+            share = _beyond_one(counts.get(node.id, 0) - mean) * weight
             cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0) + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
@@ -308,13 +311,15 @@ class Cost(Prefix):
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
-        self._count(node.id, prompt.tokens)
+        self._count(node.id, work)
         return Placement(node, cached > 0, cached, work)
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
-        self.view.of(node.id).insert(prompt.chunks)
-        self._count(node.id, prompt.tokens)
+        holdings = self.view.of(node.id)
+        work = prompt.tokens - prompt.cached(holdings.held(prompt.chunks))
+        holdings.insert(prompt.chunks)
+        self._count(node.id, work)
 
     def _count(self, node_id: int, tokens: int) -> None:
         recent, counts = self._recent, self._counts
@@ -333,6 +338,12 @@ class Cost(Prefix):
             self.waiting[node_id] = left
         else:
             self.waiting.pop(node_id, None)
+
+
+def _beyond_one(excess: float) -> float:
+    """Prefills over (or under) a node's share, less the one any node may be off by: the
+    first prefills of a run move nothing."""
+    return max(excess - 1, 0.0) + min(excess + 1, 0.0)
 
 
 def _load(node: Node) -> int:

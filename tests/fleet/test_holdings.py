@@ -86,21 +86,23 @@ def test_holdings_forget_the_least_recent_prompts_tails_first() -> None:
 
 
 def test_a_conversations_turns_go_back_to_the_node_that_holds_them() -> None:
+    """64 conversations one after the other (nothing ever waits): the share term spreads
+    them over every node although the first node holding the shared opening is the
+    cheapest for each new one, and their later turns go back where they were."""
     for body in (chat, completion):
         policy = Cost(prefill_nodes(4))
         homes = {}
-        for conversation in range(16):
+        for conversation in range(64):
             prompt = describe(body(conversation, 0))
             node = policy.pick(0, prompt=prompt)
             assert node is not None
             policy.release(policy.place(node, 0, prompt))
             homes[conversation] = node
-        # The load bound and the ties spread the conversations.
         spread = Counter(node.id for node in homes.values())
-        assert len(spread) >= 3 and max(spread.values()) <= 16 / 4 * 1.25 + 2, spread
+        assert len(spread) == 4 and max(spread.values()) <= 1.5 * min(spread.values()), spread
         home = 0
         for turns in range(1, 4):
-            for conversation in range(16):
+            for conversation in range(64):
                 prompt = describe(body(conversation, turns))
                 node = policy.pick(0, prompt=prompt)
                 assert node is not None
@@ -110,9 +112,8 @@ def test_a_conversations_turns_go_back_to_the_node_that_holds_them() -> None:
                     assert placement.cached and placement.cached > prompt.tokens // 2
                 homes[conversation] = node
                 policy.release(placement)
-        # The rest moved where the load bound sent them (16 sequential conversations on
-        # 4 nodes make it bind), and stay there.
-        assert home >= 0.7 * 16 * 3, home
+        # The rest moved where the share term sent them, and stay there.
+        assert home >= 0.8 * 64 * 3, (body.__name__, home)
 
 
 def test_waiting_work_moves_a_prefill_to_an_idle_node_when_it_costs_less() -> None:
@@ -122,17 +123,20 @@ def test_waiting_work_moves_a_prefill_to_an_idle_node_when_it_costs_less() -> No
     home = policy.pick(0, prompt=first)
     assert home is not None
     policy.release(policy.place(home, 0, first))
+    # Another conversation on the other node: both have their share, only waiting differs.
+    other = next(node for node in nodes if node is not home)
+    policy.release(policy.place(other, 0, describe(completion(2, 0))))
     later = describe(completion(1, 1))
-    saving = later.cached(len(first.chunks))
+    saving = later.cached(len(first.chunks)) - later.cached(len(OPENING.encode()) // CHUNK_BYTES)
     # Work waiting there, less than the cache saves: still home.
     policy.waiting[home.id] = saving // 2
     assert policy.pick(0, prompt=later) is home
     # More than it saves: the other node.
-    policy.waiting[home.id] = saving + later.tokens
+    policy.waiting[home.id] = saving + 64
     assert policy.pick(0, prompt=later) is not home
     policy.waiting.clear()
     placement = policy.place(home, 0, later)
-    assert policy.waiting == {home.id: later.tokens - saving}, "what it computes waits there"
+    assert policy.waiting == {home.id: later.tokens - later.cached(len(first.chunks))}
     policy.release(placement)
     assert not policy.waiting, "released work is forgotten"
 
