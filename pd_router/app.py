@@ -27,6 +27,7 @@ from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.engines.kvevents import follow
 from pd_router.engines.watch import (
     learn_models,
     probe,
@@ -51,6 +52,7 @@ from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import RemoteAborts
 from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.placements import SharedPlacements
 from pd_router.shared.pool import SharedPool
 
 MAX_BODY_BYTES = 32 << 20
@@ -157,10 +159,12 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
+    placements = None
     probes = options.health_interval > 0
     membership: Membership = LocalMembership(fleet, probes)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
+        placements = SharedPlacements(fleet.pool.redis, fleet.pool.router_id, fleet)
         membership = SharedFleet(fleet, fleet.pool, probes)
     lag = LoopLag()
     admit = partial(_admit, router, options.health_timeout, lag)
@@ -218,6 +222,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 tick = options.health_interval or 1.0
                 learn = partial(watch_models, fleet, router.upstream, tick)
                 tg.start_soon(supervise, "the model watch", learn)
+                events = partial(follow, fleet.prefill.nodes, fleet.events)
+                tg.start_soon(supervise, "the KV event subscribers", events)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
@@ -231,6 +237,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
+                if placements is not None:
+                    tg.start_soon(supervise, "the placements channel", placements.run)
                 stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
                 tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield

@@ -54,6 +54,7 @@ from pd_router.errors import (
     detached,
 )
 from pd_router.fleet import models
+from pd_router.fleet.holdings import Prompt, describe
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
 from pd_router.fleet.prefill import prefix_key
@@ -75,6 +76,9 @@ Handed = tuple[Response, bytes]
 class Settings:
     queue_timeout: float = 0.0
     handoff_grace: float = 5.0
+    # A prompt with at most this many tokens not predicted cached on its decode node is
+    # computed there (no prefill engine); 0: always disaggregate.
+    max_local_prefill: int = 0
 
 
 @dataclass
@@ -148,6 +152,13 @@ class Relay:
         self._prefill_node: Node | None = None
         # Whether the prefill went where this prefix went last time (``RecentPrefixes``).
         self._prefix_hit: bool | None = None
+        # Prompt tokens predicted cached where the prompt is computed (the cost policy's
+        # prefill node, or the decode node of a local prefill).
+        self._predicted_cached: int | None = None
+        # Computed by the decode engine itself (``--max-local-prefill``).
+        self._local = False
+        # What ``_predicted_cached`` came from: "prediction" or "events".
+        self._cache_source = "prediction"
         self._decode_node: Node | None = None
         self.trace = trace
 
@@ -190,6 +201,8 @@ class Relay:
         telemetry = self.router.telemetry
         telemetry.count(self.endpoint, self.outcome)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
+        if self._predicted_cached is not None:
+            telemetry.placed(self._local, self._cache_source, self._predicted_cached)
         model = self.model[: models.MAX_ID]
         fields = {
             "request_id": self.request_id,
@@ -200,6 +213,9 @@ class Relay:
             "stream": self.stream,
             "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
             "prefix_hit": self._prefix_hit,
+            "predicted_cached": self._predicted_cached,
+            "cache_source": self._cache_source if self._predicted_cached is not None else None,
+            "local_prefill": self._local,
             "decode_node": None if self._decode_node is None else self._decode_node.id,
             "queued_s": _rounded(self._queued),
             "prefill_s": _rounded(self._prefill_seconds),
@@ -278,15 +294,28 @@ class Relay:
 
     async def _serve(self, client: ClientStream, binding: Binding) -> None:
         self.outcome = "prefill_error"
-        prefill_started = time.perf_counter()
-        prefilled = await self._prefill(binding)
-        if prefilled is None:
-            return
-        self._prefill_seconds = time.perf_counter() - prefill_started
+        fleet = self.router.fleet
+        limit = self.router.settings.max_local_prefill
+        prompt = None
+        if fleet.prefill.reads_prompt or limit > 0:
+            prompt = describe(self.body, fleet.kv.ratio)
+        if prompt is not None and limit > 0 and self._computes_locally(binding.decode, prompt):
+            prefilled = handshake.Prefilled.local()
+        else:
+            prefill_started = time.perf_counter()
+            remote = await self._prefill(binding, prompt)
+            if remote is None:
+                return
+            prefilled = remote
+            self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled)
         if handed is None or self.client_gone:
             return
+        if prompt is not None:
+            # The decode engine holds the prompt now, pulled or computed.
+            node = binding.decode
+            fleet.kv.placed(node.id, node.role, node.url, prompt)
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
@@ -305,6 +334,16 @@ class Relay:
             raise self._engine_failed(node, error) from None
         self.router.fleet.served(node)
         self.outcome = "ok"
+
+    def _computes_locally(self, node: Node, prompt: Prompt) -> bool:
+        """Whether the decode node computes the prompt itself: what it does not hold is
+        short enough that sending it to a prefill engine and back would not pay."""
+        cached = prompt.cached(self.router.fleet.kv.of(node.id).held(prompt.chunks))
+        local = prompt.tokens - cached <= self.router.settings.max_local_prefill
+        if local:
+            self._local = True
+            self._predicted_cached = cached
+        return local
 
     async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
         first = binding.decode
@@ -328,19 +367,22 @@ class Relay:
         self._decode_node = other.node
         return await self._handoff_to(other.node, prefilled)
 
-    async def _prefill(self, binding: Binding) -> handshake.Prefilled | None:
+    async def _prefill(self, binding: Binding, prompt: Prompt | None) -> handshake.Prefilled | None:
         """Prefill on the next live node; once more on another one if that engine failed.
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        first = prefill.pick(key, model=self.model)
+        prompt = prompt if prefill.reads_prompt else None
+        first = prefill.pick(key, model=self.model, prompt=prompt)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
-            return await self._prefill_on(first, binding, key)
+            return await self._prefill_on(first, binding, key, prompt)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
-            second = prefill.pick(key, avoid=first, model=self.model) if retry else None
+            second = (
+                prefill.pick(key, avoid=first, model=self.model, prompt=prompt) if retry else None
+            )
             if second is None:
                 raise
             log.warning(
@@ -350,17 +392,20 @@ class Relay:
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding, key)
+            return await self._prefill_on(second, binding, key, prompt)
 
     async def _prefill_on(
-        self, node: Node, binding: Binding, key: int
+        self, node: Node, binding: Binding, key: int, prompt: Prompt | None
     ) -> handshake.Prefilled | None:
         fleet = self.router.fleet
         # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
         # the prefill policy counts them.
         fleet.set_prefill(binding, node)
         self._prefill_node = node
-        self._prefix_hit = fleet.prefill.recent.record(key, node)
+        placement = fleet.prefill.place(node, key, prompt)
+        self._prefix_hit = placement.hit
+        self._predicted_cached = placement.cached
+        self._cache_source = "events" if fleet.events.live(node.id) else "prediction"
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
         url = node.url + self.path
         trace = self.trace
@@ -389,11 +434,14 @@ class Relay:
                     self._open.remove(answer)
                     answer.close()
         finally:
+            fleet.prefill.release(placement)
             fleet.set_prefill(binding, None)
         if prefilled is not None:
             fleet.served(node)
             if trace is not None:
                 trace.prefilled(prefilled.prompt_details)
+            if prompt is not None:
+                fleet.kv.calibrate(prompt, prefilled.prompt_tokens)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
@@ -408,7 +456,11 @@ class Relay:
         trace = self.trace
         with self._engine_has_it():
             drain = self.client_gone
-            if drain:
+            if prefilled.is_local:
+                if drain:
+                    return None  # nothing waits on a prefill engine
+                body = handshake.local_body(self.body)
+            elif drain:
                 body = handshake.drain_body(self.body, params)
             else:
                 body = handshake.decode_body(self.body, params)

@@ -40,6 +40,7 @@ from pd_router.edge.protocol import (
     protocol,
 )
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream
+from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
@@ -85,6 +86,17 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+@config.reads_number
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
     return value
 
 
@@ -155,6 +167,13 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--connect-timeout", _timeout, 5.0, "SECONDS", "give up connecting to an engine"),
     ("--read-timeout", _timeout, 600.0, "SECONDS",
      "give up on an engine that sends nothing for this long"),
+    ("--engine-cache-tokens", _positive, DEFAULT_CACHE_TOKENS, "N",
+     "tokens of KV each engine's prefix cache is taken to hold (--prefill-policy cost): "
+     "the router forgets, least recently used first, what an engine would have evicted"),
+    ("--max-local-prefill", _count, 0, "N",
+     "send a request whose prompt has at most N tokens not predicted cached on its decode "
+     "node straight to that node, which computes it (no prefill engine); 0: always "
+     "disaggregate"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
      "take the KV before the router drops the request"),
@@ -273,7 +292,9 @@ def add_router_flags(
         choices=list(POLICIES),
         help="how a prefill node is picked: prefix sends a conversation's turns to the node "
         "that holds its prefix (the same from every router), unless that node is clearly "
-        "busier than the rest; least_loaded, the fewest prefills in flight; round_robin, in turn",
+        "busier than the rest; cost, the node predicted to finish the prefill first (the "
+        "prompt tokens it does not hold plus the prefill work waiting there); least_loaded, "
+        "the fewest prefills in flight; round_robin, in turn",
     )
     add(
         "--log-level",
@@ -372,13 +393,24 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
         redis = Redis(parse_url(args.state), timeout=1.0)
         pool = partial(SharedPool, redis=redis)
     return Router(
-        fleet=Fleet(prefill, decode, policy, pool=pool, prefill_policy=args.prefill_policy),
+        fleet=Fleet(
+            prefill,
+            decode,
+            policy,
+            pool=pool,
+            prefill_policy=args.prefill_policy,
+            kv=KvView(args.engine_cache_tokens),
+        ),
         upstream=Upstream(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
             max_response_bytes=args.max_response_bytes,
         ),
-        settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
+        settings=Settings(
+            queue_timeout=args.queue_timeout,
+            handoff_grace=args.handoff_grace,
+            max_local_prefill=args.max_local_prefill,
+        ),
         discovery=discovery,
         mark=mark or hops.new_mark(),
     )

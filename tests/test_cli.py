@@ -631,7 +631,7 @@ def test_demo_help_shows_the_demos_own_defaults() -> None:
     assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
     assert entries["--itl SECONDS"].endswith("(default: 0.02)")
     assert not any(invocation.startswith("--prefill ") for invocation in entries)
-    assert entries["--prefill-policy {prefix,least_loaded,round_robin}"].endswith(
+    assert entries["--prefill-policy {prefix,cost,least_loaded,round_robin}"].endswith(
         "(default: prefix)"
     )
 
