@@ -37,8 +37,10 @@ FILLER = " ".join(f"w{i}" for i in range(40))
 class RevisionRouter(RouterProcess):
     """The router of one checkout, started from its own source tree."""
 
-    def __init__(self, label: str, source: Path, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(
+        self, label: str, source: Path, *args: Any, env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(*args, env=env)
         self.label = label
         self.source = source
 

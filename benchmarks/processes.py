@@ -120,9 +120,16 @@ class VllmRouterProcess(ServerProcess):
 
     name = "vllm-router"
 
-    def __init__(self, executable: str, prefill: Sequence[str], decode: Sequence[str]) -> None:
+    def __init__(
+        self,
+        executable: str,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        policy: str = "round_robin",
+    ) -> None:
         super().__init__()
         self.executable = executable
+        self.policy = policy
         self.prefill_urls = list(prefill)
         self.decode_urls = list(decode)
         self.prometheus_port = 0
@@ -147,7 +154,7 @@ class VllmRouterProcess(ServerProcess):
             "--port",
             str(self.port),
             "--policy",
-            "round_robin",
+            self.policy,
             "--prometheus-port",
             str(self.prometheus_port),
             "--log-level",

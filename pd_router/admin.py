@@ -35,7 +35,8 @@ def _error_body(message: str, code: str, param: str | None = None) -> dict[str, 
     return {"error": {"message": message, "type": "admin_error", "param": param, "code": code}}
 
 
-def node_view(node: Node) -> dict[str, Any]:
+def node_view(node: Node, fleet: Fleet) -> dict[str, Any]:
+    stream = fleet.events.streams.get(node.id)
     return {
         "id": node.id,
         "url": node.url,
@@ -51,6 +52,8 @@ def node_view(node: Node) -> dict[str, Any]:
         "source": node.source,
         # None until the node's /v1/models has been read (it may serve any model till then).
         "models": None if node.models is None else sorted(node.models),
+        # The engine's KV event stream (``kv_events=PORT``), None if it has none.
+        "kv_events": None if stream is None else stream.view(),
     }
 
 
@@ -107,7 +110,7 @@ def admin_routes(
             return None
 
     async def list_nodes(request: Request) -> Response:
-        nodes = [node_view(node) for node in fleet.nodes]
+        nodes = [node_view(node, fleet) for node in fleet.nodes]
         document = {
             "nodes": nodes,
             "serving_view": fleet.serving_view(),
@@ -164,7 +167,7 @@ def admin_routes(
             return _error(409, str(exc), "conflict")
         if node.state is State.JOINING and admit is not None:
             await admit(node)
-        return _json(node_view(node), 200 if known else 201)
+        return _json(node_view(node, fleet), 200 if known else 201)
 
     async def drain_node(request: Request) -> Response:
         node = find(request)
@@ -175,7 +178,7 @@ def admin_routes(
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
         # Accepted, not done: in-flight requests finish in their own time.
-        return _json(node_view(node), 202)
+        return _json(node_view(node, fleet), 202)
 
     async def remove_node(request: Request) -> Response:
         node = find(request)

@@ -29,6 +29,7 @@ from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.engines.kvevents import follow
 from pd_router.engines.watch import (
     learn_models,
     probe,
@@ -54,6 +55,7 @@ from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import RemoteAborts
 from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.placements import SharedPlacements
 from pd_router.shared.pool import SharedPool
 
 MAX_BODY_BYTES = 32 << 20
@@ -90,6 +92,8 @@ class OpenAIRoute:
                 authorization = value
         rid = request_id(rid_header)
         key = None
+        tracer = self.router.tracer
+        trace = None if tracer is None else tracer.request(scope["headers"], PATHS[self.endpoint])
         try:
             # First: a loop is refused before anything of it is read or held.
             onward = hops.passed(via, self.mark)
@@ -101,12 +105,16 @@ class OpenAIRoute:
             raw = await _read_body(receive, declared, self.max_body_bytes)
             if raw is None:
                 self.router.telemetry.count(self.endpoint, "client_aborted", _name(key))
+                if trace is not None:
+                    trace.finish(rid, "client_aborted", 0, None)
                 return
             body = parse_body(raw, self.endpoint)
-            relay = Relay(self.router, self.endpoint, body, rid, onward, key)
+            relay = Relay(self.router, self.endpoint, body, rid, onward, trace, key)
         except RouterError as error:
             outcome = error.outcome or "bad_request"
             self.router.telemetry.count(self.endpoint, outcome, _name(key))
+            if trace is not None:
+                trace.finish(rid, outcome, error.status, error)
             answer = ClientStream(rid)
             answer.attach(send)
             await answer.fail(error)
@@ -180,10 +188,12 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     registry = router.telemetry.registry
     fleet = router.fleet
     remote = None
+    placements = None
     probes = options.health_interval > 0
     membership: Membership = LocalMembership(fleet, probes)
     if isinstance(fleet.pool, SharedPool):
         remote = RemoteAborts(fleet.pool.redis, fleet.pool.router_id, partial(abort_here, fleet))
+        placements = SharedPlacements(fleet.pool.redis, fleet.pool.router_id, fleet)
         membership = SharedFleet(fleet, fleet.pool, probes)
     lag = LoopLag()
     admit = partial(_admit, router, options.health_timeout, lag)
@@ -241,6 +251,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                 tick = options.health_interval or 1.0
                 learn = partial(watch_models, fleet, router.upstream, tick)
                 tg.start_soon(supervise, "the model watch", learn)
+                events = partial(follow, fleet.prefill.nodes, fleet.events)
+                tg.start_soon(supervise, "the KV event subscribers", events)
                 if options.stall_timeout > 0:
                     watch = partial(watch_stalls, fleet, options.stall_timeout)
                     tg.start_soon(supervise, "the stall watch", watch)
@@ -261,12 +273,17 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
+                if placements is not None:
+                    tg.start_soon(supervise, "the placements channel", placements.run)
                 stragglers = partial(_end_stragglers, router, stopping, options.shutdown_timeout)
                 tg.start_soon(supervise, "the shutdown timer", stragglers)
                 yield
                 tg.cancel_scope.cancel()
         finally:
             await router.upstream.close()
+            if router.tracer is not None:
+                # The last requests' spans go out before the process does.
+                await anyio.to_thread.run_sync(router.tracer.close)
 
     openai = {
         PATHS[endpoint]: OpenAIRoute(router, endpoint, options.max_body_bytes) for endpoint in PATHS

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -56,6 +56,7 @@ from pd_router.errors import (
     detached,
 )
 from pd_router.fleet import models
+from pd_router.fleet.holdings import Prompt, describe
 from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
@@ -63,6 +64,9 @@ from pd_router.fleet.prefill import prefix_key
 from pd_router.fleet.registry import Binding, Fleet
 from pd_router.ops import logs
 from pd_router.ops.metrics import Telemetry, Timings
+
+if TYPE_CHECKING:
+    from pd_router.ops.spans import RequestTrace, Tracer
 
 log = logging.getLogger("pd_router")
 
@@ -75,6 +79,9 @@ Handed = tuple[Response, bytes]
 class Settings:
     queue_timeout: float = 0.0
     handoff_grace: float = 5.0
+    # A prompt with at most this many tokens not predicted cached on its decode node is
+    # computed there (no prefill engine); 0: always disaggregate.
+    max_local_prefill: int = 0
 
 
 @dataclass
@@ -97,6 +104,9 @@ class Router:
     # What this router adds to the marks of what it sends to engines (``edge/hops.py``);
     # one for all its --workers.
     mark: str = field(default_factory=hops.new_mark)
+    # Set where the router serves when tracing is on (``ops/tracing.py``); None: off, and
+    # then no request does any tracing work.
+    tracer: Tracer | None = None
 
     def begin_shutdown(self) -> None:
         """New requests get 503 from now on; queued waiters are told at once."""
@@ -123,6 +133,7 @@ class Relay:
         body: dict[str, Any],
         request_id: str,
         via: bytes = b"",
+        trace: RequestTrace | None = None,
         key: Key | None = None,
     ) -> None:
         """``via``: the marks of the routers it passed through, this one's last
@@ -132,6 +143,8 @@ class Relay:
         # The client's key (--api-keys-file); its name, never the key, is what is shown.
         self.key = key
         self.key_name = "" if key is None else key.name
+        if trace is not None and key is not None:
+            trace.root.set_attribute("pd_router.key", key.name)
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
@@ -152,7 +165,15 @@ class Relay:
         self._prefill_node: Node | None = None
         # Whether the prefill went where this prefix went last time (``RecentPrefixes``).
         self._prefix_hit: bool | None = None
+        # Prompt tokens predicted cached where the prompt is computed (the cost policy's
+        # prefill node, or the decode node of a local prefill).
+        self._predicted_cached: int | None = None
+        # Computed by the decode engine itself (``--max-local-prefill``).
+        self._local = False
+        # What ``_predicted_cached`` came from: "prediction" or "events".
+        self._cache_source = "prediction"
         self._decode_node: Node | None = None
+        self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
@@ -182,9 +203,9 @@ class Relay:
             if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
             self.router.fleet.leave(self.request_id)
-            self._report()
+            self._report(error)
 
-    def _report(self) -> None:
+    def _report(self, error: RouterError | None) -> None:
         client = self.client
         now = time.perf_counter()
         # Time to the first byte of an answer; an error body is not a first token.
@@ -193,25 +214,36 @@ class Relay:
         telemetry = self.router.telemetry
         telemetry.count(self.endpoint, self.outcome, self.key_name)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
-        logs.request_finished(
-            {
-                "request_id": self.request_id,
-                "key": self.key_name or None,
-                "endpoint": self.endpoint,
-                "model": self.model[: models.MAX_ID],
-                "outcome": self.outcome,
-                "status": client.status,
-                "stream": self.stream,
-                "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
-                "prefix_hit": self._prefix_hit,
-                "decode_node": None if self._decode_node is None else self._decode_node.id,
-                "queued_s": _rounded(self._queued),
-                "prefill_s": _rounded(self._prefill_seconds),
-                "ttft_s": _rounded(ttft),
-                "duration_s": _rounded(now - self._arrived),
-                "bytes": client.bytes_sent,
-            }
-        )
+        if self._predicted_cached is not None:
+            telemetry.placed(self._local, self._cache_source, self._predicted_cached)
+        model = self.model[: models.MAX_ID]
+        fields = {
+            "request_id": self.request_id,
+            "key": self.key_name or None,
+            "endpoint": self.endpoint,
+            "model": model,
+            "outcome": self.outcome,
+            "status": client.status,
+            "stream": self.stream,
+            "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+            "prefix_hit": self._prefix_hit,
+            "predicted_cached": self._predicted_cached,
+            "cache_source": self._cache_source if self._predicted_cached is not None else None,
+            "local_prefill": self._local,
+            "decode_node": None if self._decode_node is None else self._decode_node.id,
+            "queued_s": _rounded(self._queued),
+            "prefill_s": _rounded(self._prefill_seconds),
+            "ttft_s": _rounded(ttft),
+            "duration_s": _rounded(now - self._arrived),
+            "bytes": client.bytes_sent,
+        }
+        trace = self.trace
+        if trace is not None:
+            fields["trace_id"] = trace.trace_id
+            trace.finish(
+                self.request_id, self.outcome, client.status, error, ttft, model, self.stream
+            )
+        logs.request_finished(fields)
 
     def fail(self, error: RouterError) -> None:
         if self._failure is not None or self.client.finished:
@@ -261,11 +293,16 @@ class Relay:
     async def _reserve(self, client: ClientStream) -> None:
         router = self.router
         fleet = router.fleet
+        trace = self.trace
+        if trace is not None:
+            trace.queue()
         async with fleet.pool.reserve(router.settings.queue_timeout, self.model) as reservation:
             self._reservation = reservation
             try:
                 self._queued = time.perf_counter() - self._arrived
                 self._decode_node = reservation.node
+                if trace is not None:
+                    trace.reserved(reservation.node)
                 if reservation.waited > 0.1:
                     log.info(
                         "queued %.1fs for decode node %s request_id=%s",
@@ -284,15 +321,28 @@ class Relay:
 
     async def _serve(self, client: ClientStream, binding: Binding) -> None:
         self.outcome = "prefill_error"
-        prefill_started = time.perf_counter()
-        prefilled = await self._prefill(binding)
-        if prefilled is None:
-            return
-        self._prefill_seconds = time.perf_counter() - prefill_started
+        fleet = self.router.fleet
+        limit = self.router.settings.max_local_prefill
+        prompt = None
+        if fleet.prefill.reads_prompt or limit > 0:
+            prompt = describe(self.body, fleet.kv.ratio)
+        if prompt is not None and limit > 0 and self._computes_locally(binding.decode, prompt):
+            prefilled = handshake.Prefilled.local()
+        else:
+            prefill_started = time.perf_counter()
+            remote = await self._prefill(binding, prompt)
+            if remote is None:
+                return
+            prefilled = remote
+            self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled)
         if handed is None or self.client_gone:
             return
+        if prompt is not None:
+            # The decode engine holds the prompt now, pulled or computed.
+            node = binding.decode
+            fleet.kv.placed(node.id, node.role, node.url, prompt)
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
@@ -311,6 +361,16 @@ class Relay:
             raise self._engine_failed(node, error) from None
         self.router.fleet.served(node)
         self.outcome = "ok"
+
+    def _computes_locally(self, node: Node, prompt: Prompt) -> bool:
+        """Whether the decode node computes the prompt itself: what it does not hold is
+        short enough that sending it to a prefill engine and back would not pay."""
+        cached = prompt.cached(self.router.fleet.kv.of(node.id).held(prompt.chunks))
+        local = prompt.tokens - cached <= self.router.settings.max_local_prefill
+        if local:
+            self._local = True
+            self._predicted_cached = cached
+        return local
 
     async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
         first = binding.decode
@@ -334,19 +394,22 @@ class Relay:
         self._decode_node = other.node
         return await self._handoff_to(other.node, prefilled)
 
-    async def _prefill(self, binding: Binding) -> handshake.Prefilled | None:
+    async def _prefill(self, binding: Binding, prompt: Prompt | None) -> handshake.Prefilled | None:
         """Prefill on the next live node; once more on another one if that engine failed.
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        first = prefill.pick(key, model=self.model)
+        prompt = prompt if prefill.reads_prompt else None
+        first = prefill.pick(key, model=self.model, prompt=prompt)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
-            return await self._prefill_on(first, binding, key)
+            return await self._prefill_on(first, binding, key, prompt)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
-            second = prefill.pick(key, avoid=first, model=self.model) if retry else None
+            second = (
+                prefill.pick(key, avoid=first, model=self.model, prompt=prompt) if retry else None
+            )
             if second is None:
                 raise
             log.warning(
@@ -356,23 +419,29 @@ class Relay:
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding, key)
+            return await self._prefill_on(second, binding, key, prompt)
 
     async def _prefill_on(
-        self, node: Node, binding: Binding, key: int
+        self, node: Node, binding: Binding, key: int, prompt: Prompt | None
     ) -> handshake.Prefilled | None:
         fleet = self.router.fleet
         # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
         # the prefill policy counts them.
         fleet.set_prefill(binding, node)
         self._prefill_node = node
-        self._prefix_hit = fleet.prefill.recent.record(key, node)
+        placement = fleet.prefill.place(node, key, prompt)
+        self._prefix_hit = placement.hit
+        self._predicted_cached = placement.cached
+        self._cache_source = "events" if fleet.events.live(node.id) else "prediction"
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
+        url = node.url + self.path
+        trace = self.trace
+        headers = b"" if trace is None else trace.prefill(node, url, self._prefix_hit)
         prefilled = None
         try:
             # The engine pins the KV as it answers: a client leaving now must not strand it.
             with self._engine_has_it():
-                answer = await self._send(node, handshake.prefill_body(self.body))
+                answer = await self._send(node, url, handshake.prefill_body(self.body), headers)
                 try:
                     if answer.status != 200:
                         raise await answer.error()
@@ -392,9 +461,14 @@ class Relay:
                     self._open.remove(answer)
                     answer.close()
         finally:
+            fleet.prefill.release(placement)
             fleet.set_prefill(binding, None)
         if prefilled is not None:
             fleet.served(node)
+            if trace is not None:
+                trace.prefilled(prefilled.prompt_details)
+            if prompt is not None:
+                fleet.kv.calibrate(prompt, prefilled.prompt_tokens)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
@@ -405,13 +479,20 @@ class Relay:
         when the client left and the engine did not get that far within the grace.
         """
         params = prefilled.kv_transfer_params
+        url = node.url + self.path
+        trace = self.trace
         with self._engine_has_it():
             drain = self.client_gone
-            if drain:
+            if prefilled.is_local:
+                if drain:
+                    return None  # nothing waits on a prefill engine
+                body = handshake.local_body(self.body)
+            elif drain:
                 body = handshake.drain_body(self.body, params)
             else:
                 body = handshake.decode_body(self.body, params)
-            answer = await self._send(node, body)
+            headers = b"" if trace is None else trace.decode(node, url, drain)
+            answer = await self._send(node, url, body, headers)
             first = b""
             if answer.status == 200:
                 try:
@@ -422,6 +503,8 @@ class Relay:
                         first = await answer.next_chunk()
                 except UpstreamError as error:
                     raise self._engine_failed(node, error) from None
+                if trace is not None:
+                    trace.handed()
             return answer, first
         return None
 
@@ -440,12 +523,11 @@ class Relay:
             finally:
                 self._handoff = None
 
-    async def _send(self, node: Node, body: dict[str, Any]) -> Response:
-        """One request to ``node``; the answer is closed when the request ends, if not before."""
+    async def _send(self, node: Node, url: str, body: dict[str, Any], headers: bytes) -> Response:
+        """One request to ``node`` at ``url``, with ``headers`` besides those every request
+        has; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(
-                node.url + self.path, body, self.request_id, self.via
-            )
+            answer = await self.router.upstream.post(url, body, self.request_id, self.via, headers)
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)
@@ -456,6 +538,8 @@ class Relay:
         the engine's role as well as its URL."""
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
+            if self.trace is not None:
+                self.trace.failed(error)
             self.router.telemetry.upstream_error(node, error.kind)
             evidence = error.evidence
             if evidence is not None:
@@ -476,13 +560,18 @@ class Relay:
         data: bytes,
     ) -> None:
         """Stream the answer, starting with ``data``, its bytes read in the hand-off."""
-        events = EventRelay(prefilled.fix_usage)
+        trace = self.trace
+        fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
+        events = EventRelay(fix)
         while data:
             try:
                 ready = events.feed(data)
             except ValueError as exc:
                 raise UpstreamError(f"{answer.url}: {exc}") from None
             if ready:
+                if trace is not None:
+                    # Events end with a blank line; inside one, line breaks are escaped.
+                    trace.events += ready.count(b"\n\n")
                 if not client.started:
                     # Headers go out with the first event, not before: the client sees
                     # both in one wake-up, and an engine failing before its first event
@@ -511,7 +600,9 @@ class Relay:
             document = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise UpstreamError(f"{answer.url}: answer is not JSON") from None
-        await client.respond(200, with_usage_fixed(raw, document, prefilled.fix_usage))
+        trace = self.trace
+        fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
+        await client.respond(200, with_usage_fixed(raw, document, fix))
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

@@ -42,12 +42,13 @@ from pd_router.edge.protocol import (
     protocol,
 )
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls
+from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
-from pd_router.ops import logs
+from pd_router.ops import logs, tracing
 from pd_router.parser import Parser, parse
 from pd_router.relay import Router, Settings
 from pd_router.shared.keys import SharedKeyLimits
@@ -93,6 +94,17 @@ def _positive(text: str) -> int:
 
 
 @config.reads_number
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
+@config.reads_number
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -127,6 +139,13 @@ def _dns_server(text: str) -> tuple[str, int]:
     return host, number
 
 
+def _traces_url(text: str) -> str:
+    try:
+        return tracing.traces_url(text)
+    except tracing.TracingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @config.reads_number
 def _port(text: str) -> int:
     try:
@@ -152,6 +171,13 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--connect-timeout", _timeout, 5.0, "SECONDS", "give up connecting to an engine"),
     ("--read-timeout", _timeout, 600.0, "SECONDS",
      "give up on an engine that sends nothing for this long"),
+    ("--engine-cache-tokens", _positive, DEFAULT_CACHE_TOKENS, "N",
+     "tokens of KV each engine's prefix cache is taken to hold (--prefill-policy cost): "
+     "the router forgets, least recently used first, what an engine would have evicted"),
+    ("--max-local-prefill", _count, 0, "N",
+     "send a request whose prompt has at most N tokens not predicted cached on its decode "
+     "node straight to that node, which computes it (no prefill engine); 0: always "
+     "disaggregate"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
      "take the KV before the router drops the request"),
@@ -216,6 +242,11 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--engine-key", str, None, "FILE", "the private key of --engine-cert (PEM)"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
      "on SIGTERM, how long in-flight requests get to finish before they are failed"),
+    ("--otlp-traces-endpoint", _traces_url, None, "URL",
+     "export OpenTelemetry traces over OTLP/HTTP to this URL (a collector's "
+     "http://HOST:4318/v1/traces; /v1/traces is added to a URL without a path); unset, "
+     "the OTEL_EXPORTER_OTLP_*ENDPOINT variables turn tracing on, else it is off; needs "
+     f"{tracing.INSTALL}"),
 ]  # fmt: skip
 
 
@@ -279,7 +310,9 @@ def add_router_flags(
         choices=list(POLICIES),
         help="how a prefill node is picked: prefix sends a conversation's turns to the node "
         "that holds its prefix (the same from every router), unless that node is clearly "
-        "busier than the rest; least_loaded, the fewest prefills in flight; round_robin, in turn",
+        "busier than the rest; cost, the node predicted to finish the prefill first (the "
+        "prompt tokens it does not hold plus the prefill work waiting there); least_loaded, "
+        "the fewest prefills in flight; round_robin, in turn",
     )
     add(
         "--log-level",
@@ -333,6 +366,14 @@ def parse_router_args(
             f"{parser.prog}: error: --workers {args.workers} needs --state: without a shared "
             "pool each worker would count the slots on its own\n",
         )
+    # Decided and its packages imported here, before any fork; the exporter (a thread) is
+    # started where the router serves (``_serve``).
+    try:
+        args.tracing = tracing.wanted(args.otlp_traces_endpoint, environ)
+        if args.tracing is not None:
+            tracing.load(args.tracing)
+    except tracing.TracingError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return args
 
 
@@ -376,7 +417,14 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
     if args.engine_ca or args.engine_cert or args.engine_key:
         tls = engine_tls(args.engine_ca, args.engine_cert, args.engine_key)
     return Router(
-        fleet=Fleet(prefill, decode, policy, pool=pool, prefill_policy=args.prefill_policy),
+        fleet=Fleet(
+            prefill,
+            decode,
+            policy,
+            pool=pool,
+            prefill_policy=args.prefill_policy,
+            kv=KvView(args.engine_cache_tokens),
+        ),
         upstream=Upstream(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
@@ -384,7 +432,11 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
             api_key=args.engine_api_key,
             tls=tls,
         ),
-        settings=Settings(queue_timeout=args.queue_timeout, handoff_grace=args.handoff_grace),
+        settings=Settings(
+            queue_timeout=args.queue_timeout,
+            handoff_grace=args.handoff_grace,
+            max_local_prefill=args.max_local_prefill,
+        ),
         discovery=discovery,
         keys=None if args.api_keys_file is None else KeyFile(args.api_keys_file),
         key_limits=key_limits,
@@ -505,6 +557,9 @@ def _serve(
     logs.configure(args.log_level, args.log_format)
     if worker is not None:
         workers.tag_logs(worker, args.log_format)
+    if args.tracing is not None:
+        router.tracer = tracing.load(args.tracing)(args.tracing.endpoint)
+        log.info("tracing: OTLP/HTTP to %s (%s)", args.tracing.endpoint, args.tracing.source)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,

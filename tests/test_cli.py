@@ -157,6 +157,35 @@ def marked(mark: str) -> list[int]:
             "pd-router: error: --decode-dns: 'decode.ns:8200,slot=2': unknown option 'slot' "
             "(did you mean slots?)",
         ),
+        (
+            [*ENGINES, "--otlp-traces-endpoint", "collector:4318"],
+            {},
+            "pd-router: error: argument --otlp-traces-endpoint: expected an http:// or https:// "
+            "URL of an OTLP/HTTP collector (http://collector:4318/v1/traces), got "
+            "'collector:4318'",
+        ),
+        (
+            ENGINES,
+            {"PD_ROUTER_OTLP_TRACES_ENDPOINT": "grpc://collector:4317"},
+            "pd-router: error: PD_ROUTER_OTLP_TRACES_ENDPOINT: expected an http:// or https:// "
+            "URL",
+        ),
+        (
+            ENGINES,
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"},
+            "pd-router: error: OTEL_EXPORTER_OTLP_ENDPOINT: expected an http:// or https:// URL",
+        ),
+        (
+            ENGINES,
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "pd-router: error: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: pd-router exports traces over "
+            "OTLP/HTTP with protobuf (http/protobuf) only; point it at the collector's HTTP port",
+        ),
+        (
+            ["demo", "--otlp-traces-endpoint", "http://c:4318"],
+            {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+            "pd-router demo: error: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: pd-router exports",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(
@@ -583,7 +612,8 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--max-body-bytes BYTES"].endswith("(default: 33554432)")
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
     unset = {"-h, --help", "--version", "--admin-token TOKEN", "--config FILE", "--state URL"}
-    unset |= {"--dns-server HOST:PORT", "--api-keys-file FILE", "--engine-api-key KEY"}
+    unset |= {"--dns-server HOST:PORT", "--otlp-traces-endpoint URL"}
+    unset |= {"--api-keys-file FILE", "--engine-api-key KEY"}
     unset |= {"--ssl-certfile FILE", "--ssl-keyfile FILE", "--engine-ca FILE"}
     unset |= {"--engine-cert FILE", "--engine-key FILE"}
     missing = [
@@ -604,7 +634,7 @@ def test_demo_help_shows_the_demos_own_defaults() -> None:
     assert entries["--ttft SECONDS"].endswith("(default: 0.05)")
     assert entries["--itl SECONDS"].endswith("(default: 0.02)")
     assert not any(invocation.startswith("--prefill ") for invocation in entries)
-    assert entries["--prefill-policy {prefix,least_loaded,round_robin}"].endswith(
+    assert entries["--prefill-policy {prefix,cost,least_loaded,round_robin}"].endswith(
         "(default: prefix)"
     )
 

@@ -433,4 +433,6 @@ def test_prefill_policy_from_each_source(
     args = parse(NODES, env=env, toml=file, tmp_path=tmp_path)
     assert build_router(args).fleet.prefill.name == "least_loaded"
     error = refusal(capsys, NODES, env={"PD_ROUTER_PREFILL_POLICY": "random"})
-    assert "PD_ROUTER_PREFILL_POLICY: expected one of prefix, least_loaded, round_robin" in error
+    assert (
+        "PD_ROUTER_PREFILL_POLICY: expected one of prefix, cost, least_loaded, round_robin" in error
+    )

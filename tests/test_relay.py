@@ -77,7 +77,7 @@ class ScriptedUpstream:
         self.unreachable: dict[str, UpstreamError] = {}
 
     async def post(
-        self, url: str, body: Any, request_id: str, via: bytes = b""
+        self, url: str, body: Any, request_id: str, via: bytes = b"", headers: bytes = b""
     ) -> ScriptedResponse:
         self.sent.append((url, body))
         error = self.unreachable.get(url.split("/v1")[0])

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_router.fleet.membership import DNS_SOURCE
-from pd_router.fleet.nodes import Role, check_labels, normalise_url, parse_slots
+from pd_router.fleet.nodes import (
+    KV_EVENTS,
+    Role,
+    check_labels,
+    normalise_url,
+    parse_port,
+    parse_slots,
+)
 
 Outcome = Literal["ok", "empty", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "empty", "failed")
@@ -78,6 +85,10 @@ def parse_dns_spec(text: str, role: Role) -> DnsSpec:
             )
         if key == "slots":
             slots = parse_slots(value, text)
+        elif key == KV_EVENTS:
+            # Where its engines publish KV events: that port on each address (the HTTP
+            # port's way: one port for every address the name lists).
+            labels[key] = str(parse_port(value, text))
         elif difflib.get_close_matches(key.lower(), ["slots"], cutoff=0.75):
             raise ValueError(f"{text!r}: unknown option {key!r} (did you mean slots?)")
         else:

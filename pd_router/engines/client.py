@@ -243,14 +243,17 @@ class Upstream:
                 conn.close()
         self._idle.clear()
 
-    async def post(self, url: str, body: Any, request_id: str, via: bytes = b"") -> Response:
+    async def post(
+        self, url: str, body: Any, request_id: str, via: bytes = b"", headers: bytes = b""
+    ) -> Response:
         """POST ``body`` as JSON; returns once the engine's status and headers are in.
-        ``via``: the routers the request passed through, this one included (``edge/hops.py``).
+        ``via``: the routers the request passed through, this one included (``edge/hops.py``);
+        ``headers``: more header lines (each ending in CRLF), the trace context's.
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
-        headers = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via)
-        return await self._request(url, b"POST", orjson.dumps(body), headers)
+        head = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via) + headers
+        return await self._request(url, b"POST", orjson.dumps(body), head)
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""

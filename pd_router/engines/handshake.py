@@ -38,6 +38,12 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
     return {**body, "kv_transfer_params": kv_transfer_params}
 
 
+def local_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request for a decode engine to compute itself (a local prefill): no
+    ``kv_transfer_params``, so a vLLM ``kv_consumer`` prefills it like a plain engine."""
+    return {key: value for key, value in body.items() if key != "kv_transfer_params"}
+
+
 def drain_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """A decode request whose only job is to make the engine pull (and so free) the KV.
 
@@ -52,7 +58,7 @@ def drain_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict
 class Prefilled:
     """What the router keeps from a prefill answer."""
 
-    __slots__ = ("kv_transfer_params", "prompt_details")
+    __slots__ = ("kv_transfer_params", "prompt_details", "prompt_tokens", "is_local")
 
     def __init__(self, answer: Any) -> None:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -62,13 +68,26 @@ class Prefilled:
                 "(is the engine running with a kv_producer --kv-transfer-config?)"
             )
         self.kv_transfer_params: dict[str, Any] = params
+        # No prefill engine: the decode engine computes the prompt (``local``).
+        self.is_local = False
         usage = answer.get("usage")
+        # The engine's count of the prompt: what the router's estimate learns from.
+        self.prompt_tokens: object = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         # The decode engine reports the whole transferred prompt as cached; what was
         # really served from cache is what the prefill engine saw.
         self.prompt_details: dict[str, Any] | None = details if isinstance(details, dict) else None
 
+    @classmethod
+    def local(cls) -> Prefilled:
+        """No prefill engine: the decode engine computes the prompt, and its usage is true."""
+        prefilled = cls({"kv_transfer_params": {}})
+        prefilled.is_local = True
+        return prefilled
+
     def fix_usage(self, usage: dict[str, Any]) -> None:
+        if self.is_local:
+            return
         if self.prompt_details is None:
             usage.pop("prompt_tokens_details", None)
         else:

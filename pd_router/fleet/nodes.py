@@ -190,20 +190,40 @@ def check_labels(labels: object) -> dict[str, str]:
     return checked
 
 
+# The label naming the port an engine publishes its KV cache events on (vLLM's
+# ``--kv-events-config`` ZMQ endpoint), on the host of its URL: ``,kv_events=5557``.
+KV_EVENTS = "kv_events"
+
+
 def parse_spec(spec: str) -> NodeSpec:
-    """``URL`` or ``URL,slots=N`` -> NodeSpec.
+    """``URL``, ``URL,slots=N``, ``URL,kv_events=PORT`` -> NodeSpec.
 
     A comma is shell-safe and cannot appear in a host:port URL, so it separates options
     without quoting.
     """
     url, _, options = spec.partition(",")
     slots = None
+    labels = {}
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
+        if key.strip() == KV_EVENTS:
+            labels[KV_EVENTS] = str(parse_port(value, spec))
+            continue
         if key.strip() != "slots":
-            raise ValueError(f"{spec!r}: unknown node option {key!r} (known: slots)")
+            raise ValueError(f"{spec!r}: unknown node option {key!r} (known: slots, kv_events)")
         slots = parse_slots(value, spec)
-    return NodeSpec(normalise_url(url, spec), slots)
+    return NodeSpec(normalise_url(url, spec), slots, labels)
+
+
+def parse_port(value: str, spec: str) -> int:
+    """The ``PORT`` of a ``kv_events=PORT`` option of ``spec``."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(f"{spec!r}: kv_events must be a port number, got {value!r}")
+    return port
 
 
 def parse_slots(value: str, spec: str) -> int:

@@ -20,6 +20,15 @@ instead of piling up, and the node carrying the least always qualifies (least <=
 Outstanding prefills are the requests bound to the node (``Node.bound``, which the fleet
 keeps from the prefill request's start to its end on every path).
 
+``cost`` picks the node where the prefill is predicted to finish first: the prompt's
+tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt
+this router sent there and the node has not evicted since) plus the uncached tokens of the
+prefills this router has waiting or running there. Ties go to the node the prompt's first
+chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
+spreads conversations. A share term balances it: a node given more than its share of this
+router's recent prefills costs the mean prefill's work more per prefill over its share,
+one given less costs less.
+
 ``least_loaded`` picks the node with the fewest outstanding prefills (ties in turn);
 ``round_robin`` takes the nodes in turn.
 """
@@ -27,11 +36,13 @@ keeps from the prefill request's start to its end on every path).
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import orjson
 
+from pd_router.fleet.holdings import KvView, Prompt
 from pd_router.fleet.nodes import Node, State, usable, usable_for
 
 # Leading characters of a prompt (and of each message) that make its key. A conversation's
@@ -46,6 +57,17 @@ KEY_IDS = KEY_CHARS // 4
 # The load a node may carry over the mean before its keys spill (the c of bounded loads):
 # 1.25 keeps the busiest node within 25% (+1) of the mean and most keys at home.
 LOAD_FACTOR = 1.25
+# The cost policy's balance: of the last RECENT_PER_NODE x nodes prefills, each one a node
+# was given over its share, beyond one, adds SHARE_WEIGHT x the mean prefill's work
+# (uncached tokens) to its cost (each one under, beyond one, takes it off): what one more
+# prefill there is predicted to cost. Without it a shared opening (a system prompt) makes
+# the first node that holds it the cheapest for every new conversation while prefills are
+# too quick to queue:
+# one engine's cache would hold every conversation and the others idle. A soft term moves
+# what is cheap to move first (a new conversation, which gives up a shared opening), not a
+# conversation's later turn (which would give up all of it), as a hard bound would.
+RECENT_PER_NODE = 32
+SHARE_WEIGHT = 1.0
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -122,44 +144,83 @@ class RecentPrefixes:
         return last == node.id
 
 
+class Placement:
+    """A prefill sent to ``node``: what was predicted of it, until ``PrefillPolicy.release``."""
+
+    __slots__ = ("node", "hit", "cached", "work")
+
+    def __init__(self, node: Node, hit: bool, cached: int | None = None, work: int = 0) -> None:
+        self.node = node
+        # The prefix policy: this router last sent the prefix key here. The cost policy:
+        # some of the prompt is predicted cached here.
+        self.hit = hit
+        # Prompt tokens predicted cached on the node (the cost policy only).
+        self.cached = cached
+        # Prompt tokens predicted to be computed: the node's waiting work until released.
+        self.work = work
+
+
 class PrefillPolicy:
     """Picks among the usable prefill nodes that serve the request's model (``usable`` over
     the nodes serving it, as the decode pool does), never ``avoid``."""
 
     name: ClassVar[str]
+    # Whether ``pick`` and ``place`` read the prompt (``holdings.describe``): only then is
+    # it computed for each request.
+    reads_prompt: ClassVar[bool] = False
 
-    def __init__(self, nodes: Sequence[Node]) -> None:
+    def __init__(self, nodes: Sequence[Node], view: KvView | None = None) -> None:
         self.nodes = list(nodes)
         self.usable = usable(self.nodes)
         self._accepts: dict[str, tuple[State, ...]] = {}
         self.recent = RecentPrefixes()
+        self.view = view if view is not None else KvView()
 
     def refresh(self) -> None:
         """A node's state or models changed, or a node came or went."""
         self.usable = usable(self.nodes)
         self._accepts.clear()
 
-    def pick(self, key: int, avoid: Node | None = None, model: str | None = None) -> Node | None:
+    def pick(
+        self,
+        key: int,
+        avoid: Node | None = None,
+        model: str | None = None,
+        prompt: Prompt | None = None,
+    ) -> Node | None:
         accept = self.usable if model is None else usable_for(self.nodes, model, self._accepts)
         live = [
             node
             for node in self.nodes
             if node.state in accept and node is not avoid and node.serves(model)
         ]
-        return self._choose(key, live) if live else None
+        if not live:
+            return None
+        return self._choose(key, live, prompt or _UNKNOWN)
 
-    def _choose(self, key: int, live: list[Node]) -> Node:
+    def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         raise NotImplementedError
+
+    def place(self, node: Node, key: int, prompt: Prompt | None = None) -> Placement:
+        """The prefill goes to ``node`` now."""
+        return Placement(node, self.recent.record(key, node))
+
+    def release(self, placement: Placement) -> None:
+        """The prefill ``place`` returned ended, however it did."""
+
+    def heard(self, node: Node, prompt: Prompt) -> None:
+        """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
+        self.view.of(node.id).insert(prompt.chunks)
 
 
 class RoundRobin(PrefillPolicy):
     name = "round_robin"
 
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        super().__init__(nodes)
+    def __init__(self, nodes: Sequence[Node], view: KvView | None = None) -> None:
+        super().__init__(nodes, view)
         self._next = 0
 
-    def _choose(self, key: int, live: list[Node]) -> Node:
+    def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         node = live[self._next % len(live)]
         self._next += 1
         return node
@@ -170,7 +231,7 @@ class LeastLoaded(RoundRobin):
 
     name = "least_loaded"
 
-    def _choose(self, key: int, live: list[Node]) -> Node:
+    def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         start = self._next % len(live)
         self._next += 1
         return min(live[start:] + live[:start], key=_load)
@@ -181,15 +242,15 @@ class Prefix(PrefillPolicy):
 
     name = "prefix"
 
-    def __init__(self, nodes: Sequence[Node]) -> None:
-        super().__init__(nodes)
+    def __init__(self, nodes: Sequence[Node], view: KvView | None = None) -> None:
+        super().__init__(nodes, view)
         self._salts = {node.url: node_salt(node.url) for node in self.nodes}
 
     def refresh(self) -> None:
         super().refresh()
         self._salts = {node.url: node_salt(node.url) for node in self.nodes}
 
-    def _choose(self, key: int, live: list[Node]) -> Node:
+    def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         salts = self._salts
         scores = [_mix(key ^ salts[node.url]) for node in live]
         limit = LOAD_FACTOR * sum(map(_load, live)) / len(live) + 1
@@ -197,11 +258,101 @@ class Prefix(PrefillPolicy):
         return next(live[index] for index in ranking if _load(live[index]) <= limit)
 
 
+class Cost(Prefix):
+    """The node where the prefill is predicted to finish first (see the module docstring)."""
+
+    name = "cost"
+    reads_prompt = True
+
+    def __init__(self, nodes: Sequence[Node], view: KvView | None = None) -> None:
+        super().__init__(nodes, view)
+        # Uncached prompt tokens of this router's prefills placed on each node, by id.
+        self.waiting: dict[int, int] = {}
+        # The last ``RECENT_PER_NODE`` x nodes placements (node id, uncached tokens), how
+        # many each node was given, and their uncached tokens in all.
+        self._recent: deque[tuple[int, int]] = deque()
+        self._counts: dict[int, int] = {}
+        self._tokens = 0
+
+    def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
+        view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
+        # The share term: a node given more than its share of the recent prefills costs
+        # the mean prefill's work more per prefill over, one given less costs that less.
+        mean = sum(counts.get(node.id, 0) for node in live) / len(live)
+        weight = SHARE_WEIGHT * self._tokens / max(len(self._recent), 1)
+        best: list[Node] = []
+        best_cost = 0.0
+        deepest = 0
+        for node in live:
+            held = view.of(node.id).held(chunks)
+            share = _beyond_one(counts.get(node.id, 0) - mean) * weight
+            cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0) + share
+            if not best or cost < best_cost:
+                best, best_cost, deepest = [node], cost, held
+            elif cost == best_cost:
+                best.append(node)
+                deepest = max(deepest, held)
+        if len(best) == 1:
+            return best[0]
+        # Ties go by the first chunk none of the tied nodes holds, which names what is new
+        # in this prompt (a conversation's latest turn, the question after a shared
+        # document): ranking by it spreads conversations, and every router ranks alike.
+        if deepest < len(chunks):
+            key = chunks[deepest]
+        salts = self._salts
+        return max(best, key=lambda node: _mix(key ^ salts[node.url]))
+
+    def place(self, node: Node, key: int, prompt: Prompt | None = None) -> Placement:
+        prompt = prompt or _UNKNOWN
+        holdings = self.view.of(node.id)
+        cached = prompt.cached(holdings.held(prompt.chunks))
+        work = prompt.tokens - cached
+        self.waiting[node.id] = self.waiting.get(node.id, 0) + work
+        # Held from now on: a request sharing this prefix that comes before this prefill
+        # ends finds it cached, as vLLM computes the shared blocks once.
+        self.view.placed(node.id, node.role, node.url, prompt)
+        self._count(node.id, work)
+        return Placement(node, cached > 0, cached, work)
+
+    def heard(self, node: Node, prompt: Prompt) -> None:
+        """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
+        holdings = self.view.of(node.id)
+        work = prompt.tokens - prompt.cached(holdings.held(prompt.chunks))
+        holdings.insert(prompt.chunks)
+        self._count(node.id, work)
+
+    def _count(self, node_id: int, tokens: int) -> None:
+        recent, counts = self._recent, self._counts
+        recent.append((node_id, tokens))
+        counts[node_id] = counts.get(node_id, 0) + 1
+        self._tokens += tokens
+        if len(recent) > RECENT_PER_NODE * max(len(self.nodes), 1):
+            gone, gone_tokens = recent.popleft()
+            counts[gone] -= 1
+            self._tokens -= gone_tokens
+
+    def release(self, placement: Placement) -> None:
+        node_id = placement.node.id
+        left = self.waiting.get(node_id, 0) - placement.work
+        if left > 0:
+            self.waiting[node_id] = left
+        else:
+            self.waiting.pop(node_id, None)
+
+
+def _beyond_one(excess: float) -> float:
+    """Prefills over (or under) a node's share, less the one any node may be off by: the
+    first prefills of a run move nothing."""
+    return max(excess - 1, 0.0) + min(excess + 1, 0.0)
+
+
 def _load(node: Node) -> int:
     return len(node.bound)
 
 
+_UNKNOWN = Prompt()
+
 POLICIES: dict[str, type[PrefillPolicy]] = {
-    policy.name: policy for policy in (Prefix, LeastLoaded, RoundRobin)
+    policy.name: policy for policy in (Prefix, Cost, LeastLoaded, RoundRobin)
 }
 DEFAULT_POLICY = Prefix.name

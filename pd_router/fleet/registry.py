@@ -23,6 +23,8 @@ from typing import Protocol
 
 from pd_router.errors import NodeDead, RouterError, Stalled
 from pd_router.fleet import models
+from pd_router.fleet.holdings import KvView
+from pd_router.fleet.kvevents import EventStreams
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, Role, State
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
@@ -96,11 +98,16 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         pool: Callable[[list[Node]], DecodePool] = DecodePool,
         prefill_policy: str = DEFAULT_POLICY,
+        kv: KvView | None = None,
     ) -> None:
         self.policy = policy or HealthPolicy()
         self.clock = clock
         _one_node_per_engine([*prefill, *decode])
-        self.prefill = POLICIES[prefill_policy](prefill)
+        # What each engine is predicted to hold (``fleet/holdings.py``).
+        self.kv = kv if kv is not None else KvView()
+        # The KV event streams of the engines that publish them (``engines/kvevents.py``).
+        self.events = EventStreams(self.kv)
+        self.prefill = POLICIES[prefill_policy](prefill, self.kv)
         # In-process by default; shared by every router on one Redis with ``--state``.
         self.pool = pool(decode)
         self.offer = models.offer(self.prefill.nodes, self.pool.nodes)
@@ -287,6 +294,7 @@ class Fleet:
         self.prefill.refresh()
         self.pool.refresh()
         self.offer = models.offer(self.prefill.nodes, self.pool.nodes)
+        self.kv.forget({node.id for node in self.nodes})
         self.pool.wake()
         self.pool.fail_stranded()
 

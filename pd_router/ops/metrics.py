@@ -107,6 +107,11 @@ class Telemetry:
         # (policy, "hit" or "miss"): prefill picks, by whether the prefix went where it
         # went last time.
         self.prefill_picks: dict[tuple[str, str], int] = {}
+        # (where, source): prompts computed on a prefill engine ("remote") or on their decode
+        # engine ("local"), by what the prediction of cached tokens came from; and the
+        # cached tokens predicted.
+        self.placements: dict[tuple[str, str], int] = {}
+        self.predicted_cached: dict[tuple[str, str], int] = {}
         self.queue_wait = Histogram(
             "pd_router_queue_wait_seconds", "Time from arrival to a reserved decode slot."
         )
@@ -139,6 +144,11 @@ class Telemetry:
     def prefill_picked(self, policy: str, hit: bool) -> None:
         key = (policy, "hit" if hit else "miss")
         self.prefill_picks[key] = self.prefill_picks.get(key, 0) + 1
+
+    def placed(self, local: bool, source: str, cached: int) -> None:
+        key = ("local" if local else "remote", source)
+        self.placements[key] = self.placements.get(key, 0) + 1
+        self.predicted_cached[key] = self.predicted_cached.get(key, 0) + cached
 
     def observe(self, timings: Timings) -> None:
         if timings.queued is not None:
@@ -185,6 +195,45 @@ class _StateCollector(Collector):
         for (policy, prefix), count in sorted(self._telemetry.prefill_picks.items()):
             picks.add_metric([policy, prefix], count)
         yield picks
+        placements = CounterMetricFamily(
+            "pd_router_prompt_placements",
+            "Prompts computed on a prefill engine (where=remote) or by their decode engine "
+            "(where=local, --max-local-prefill), by where the prediction of their cached "
+            "tokens came from (source=prediction: this router's own placements; events: the "
+            "engines' KV events).",
+            labels=["where", "source"],
+        )
+        predicted = CounterMetricFamily(
+            "pd_router_predicted_cached_tokens",
+            "Prompt tokens predicted cached where the prompts were computed.",
+            labels=["where", "source"],
+        )
+        for (where, origin), count in sorted(self._telemetry.placements.items()):
+            placements.add_metric([where, origin], count)
+            predicted.add_metric([where, origin], self._telemetry.predicted_cached[where, origin])
+        yield placements
+        yield predicted
+        faults = CounterMetricFamily(
+            "pd_router_kv_event_faults",
+            "KV event stream faults per engine, by kind (gap: events missed, the subscriber "
+            "fell behind; garbage: a message that is not vLLM's; disconnected): each makes "
+            "the stream degraded, the router predicting from its own placements.",
+            labels=["node", "url", "kind"],
+        )
+        streams = GaugeMetricFamily(
+            "pd_router_kv_event_stream",
+            "1 for each engine's KV event stream state (waiting, live, degraded).",
+            labels=["node", "url", "state"],
+        )
+        for node in fleet.prefill.nodes:
+            stream = fleet.events.streams.get(node.id)
+            if stream is None:
+                continue
+            for kind, count in sorted(stream.faults.items()):
+                faults.add_metric([str(node.id), node.url, kind], count)
+            streams.add_metric([str(node.id), node.url, stream.state], 1.0)
+        yield faults
+        yield streams
         yield GaugeMetricFamily(
             "pd_router_queue_depth", "Requests waiting for a decode slot.", value=pool.queue_depth
         )

@@ -56,7 +56,29 @@ def _common(parser: argparse.ArgumentParser) -> None:
         type=_non_negative,
         default=0.0,
         help="computing a prompt takes this long (a prefill engine: plus --prefill-per-token "
-        "per token not cached; a --standalone decode engine: instead of the KV pull)",
+        "per token not cached; a --standalone decode engine: plus that, instead of the KV pull)",
+    )
+    parser.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_positive,
+        default=16,
+        help="tokens per KV block, the prefix cache's unit",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        metavar="N",
+        type=_positive,
+        default=1 << 20,
+        help="blocks the prefix cache holds (least recently used evicted first)",
+    )
+    parser.add_argument(
+        "--prefill-per-token",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=0.0,
+        help="seconds of compute per prompt token not in the prefix cache (decode: for a "
+        "local prefill, with --standalone)",
     )
     # As vLLM's: /v1/* need 'Authorization: Bearer KEY'; /health and the KV pull do not.
     parser.add_argument(
@@ -110,25 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt's KV stays pinned this long for a decode engine to pull it",
     )
     prefill.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        type=_positive,
-        default=16,
-        help="tokens per KV block, the prefix cache's unit",
-    )
-    prefill.add_argument(
-        "--prefix-cache-blocks",
-        metavar="N",
-        type=_positive,
-        default=1 << 20,
-        help="blocks the prefix cache holds (least recently used evicted first)",
-    )
-    prefill.add_argument(
-        "--prefill-per-token",
-        metavar="SECONDS",
-        type=_non_negative,
-        default=0.0,
-        help="seconds of compute per prompt token not in the prefix cache",
+        "--kv-events-port",
+        metavar="PORT",
+        type=int,
+        help="publish KV cache events on this port (ZMQ PUB, vLLM's wire format)",
     )
     prefill.add_argument(
         "--prefill-concurrency",
@@ -174,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument(
         "--standalone",
         action="store_true",
-        help="also serve requests without kv_transfer_params, like a plain engine",
+        help="also serve requests without kv_transfer_params, computing their prompt "
+        "(a local prefill), as a vLLM kv_consumer does",
     )
     decode.add_argument(
         "--name-prefill",
@@ -200,11 +208,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     # Each role imports only its own module: aiohttp, which only decode needs, is the
     # slowest import here and start-up time is what a test fleet waits for.
     role: Role = args.role
-    config = SimConfig(prefill_delay=args.prefill_delay)
+    config = SimConfig(prefill_delay=args.prefill_delay, prefill_per_token=args.prefill_per_token)
     if role == "prefill":
         from pd_router.sim.prefill import PrefillEngine
 
-        config.prefill_per_token = args.prefill_per_token
         settings = EngineSettings(
             role=role,
             host=args.host,
@@ -216,6 +223,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             prefill_concurrency=args.prefill_concurrency,
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
+            kv_events_port=args.kv_events_port,
             api_key=args.api_key,
         )
         return PrefillEngine(settings, config)
@@ -231,6 +239,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
         port=args.port,
         engine_id=args.engine_id or f"sim-decode-{args.port}",
         model=args.model,
+        block_size=args.block_size,
+        prefix_cache_blocks=args.prefix_cache_blocks,
         max_model_len=args.max_model_len,
         slots=args.slots,
         standalone=args.standalone,

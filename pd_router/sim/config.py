@@ -27,6 +27,8 @@ class EngineSettings:
     slots: int = 64
     standalone: bool = False
     name_prefill: bool = False
+    # Publish KV cache events on this port (vLLM's ZMQ wire format); None: no events.
+    kv_events_port: int | None = None
     # As vLLM's --api-key: every /v1/ request must carry 'Authorization: Bearer <key>'.
     api_key: str | None = None
 

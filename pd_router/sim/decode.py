@@ -10,8 +10,11 @@ Output is derived only from the pulled tokens, never from the body's prompt: out
 Usage reports ``prompt_tokens = len(pulled)``, all of them cached, like vLLM after a remote
 prefill.
 
-With ``--standalone`` a body without ``kv_transfer_params`` is served like a plain engine:
-the body's own prompt tokens, after ``prefill_delay`` instead of a pull, none cached.
+With ``--standalone`` a body without ``kv_transfer_params`` is served as a vLLM
+``kv_consumer`` serves it (a local prefill): the body's own prompt tokens, computed after
+``prefill_delay`` + ``prefill_per_token`` x the tokens not in this engine's prefix cache
+instead of a pull. The prefix cache holds what the engine computed and what it pulled, as
+vLLM caches a transferred prompt's blocks like its own.
 
 With ``--name-prefill`` (the demo's) an answer's text starts with ``[prefill HOST:PORT]``,
 the prefill engine whose KV it pulled, for a person who wants to see where it went.
@@ -28,7 +31,9 @@ import anyio
 import orjson
 
 from pd_router.sim.asgi import SSE_DONE, ApiError, Exchange, sse_event
+from pd_router.sim.config import EngineSettings, SimConfig
 from pd_router.sim.engine import Engine, Job, Outcome
+from pd_router.sim.kvcache import PrefixCache
 from pd_router.sim.payloads import JSON, chunk, full_response, token_text, usage, usage_chunk
 
 PULL_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -78,6 +83,18 @@ class DecodeEngine(Engine):
     _session: aiohttp.ClientSession | None = None
     _slots: anyio.Semaphore | None = None
 
+    def __init__(self, settings: EngineSettings, config: SimConfig) -> None:
+        super().__init__(settings, config)
+        self.prefix_cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        stats["prefix_cache_blocks"] = self.prefix_cache.blocks
+        return stats
+
+    def reset(self) -> None:
+        self.prefix_cache.clear()
+
     async def startup(self) -> None:
         # One pooled session per engine, like NIXL's one agent per engine.
         self._session = aiohttp.ClientSession(timeout=PULL_TIMEOUT)
@@ -111,8 +128,14 @@ class DecodeEngine(Engine):
         params = job.body.get("kv_transfer_params")
         lead = ""
         if params is None:
-            await anyio.sleep(self.config.prefill_delay)
-            tokens, cached = job.prompt_tokens, 0
+            tokens = job.prompt_tokens
+            cached, hashes = self.prefix_cache.lookup(tokens)
+            await anyio.sleep(
+                self.config.prefill_delay + self.config.prefill_per_token * (len(tokens) - cached)
+            )
+            self.prefix_cache.insert(hashes)
+            self.counters.prompt_tokens += len(tokens)
+            self.counters.cached_tokens += cached
         else:
             remote = parse_remote_prefill(params)
             try:
@@ -126,6 +149,7 @@ class DecodeEngine(Engine):
             if self.settings.name_prefill:
                 host = f"[{remote.host}]" if ":" in remote.host else remote.host
                 lead = f"[prefill {host}:{remote.port}]"
+            self.prefix_cache.insert(self.prefix_cache.lookup(tokens)[1])
         if job.stream:
             return await self._stream(exchange, job, tokens, cached, lead)
         return await self._complete(exchange, job, tokens, cached, lead)

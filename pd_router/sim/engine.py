@@ -86,6 +86,9 @@ class Engine:
         self.config = config
         self.counters = Counters()
         self.request_ids: deque[str] = deque(maxlen=RECENT_REQUEST_IDS)
+        # The W3C trace context each generation request came with (None: no header), by
+        # request id: what a traced engine (vLLM's --otlp-traces-endpoint) would continue.
+        self.trace_contexts: deque[dict[str, str | None]] = deque(maxlen=RECENT_REQUEST_IDS)
         self.active = 0
         self.queued = 0
         self.created = int(time.time())
@@ -134,6 +137,7 @@ class Engine:
             "queued": self.queued,
             "blocks_pinned": 0,
             "request_ids": list(self.request_ids),
+            "trace_contexts": list(self.trace_contexts),
         }
 
     # ASGI.
@@ -201,6 +205,13 @@ class Engine:
         if header_id:
             self.request_ids.append(header_id)
         request_id = header_id or uuid.uuid4().hex
+        self.trace_contexts.append(
+            {
+                "request_id": request_id,
+                "traceparent": exchange.header(b"traceparent"),
+                "tracestate": exchange.header(b"tracestate"),
+            }
+        )
         self.counters.requests += 1
         self.active += 1
         self.counters.peak_active = max(self.counters.peak_active, self.active)
@@ -317,6 +328,7 @@ class Engine:
     async def _reset(self, exchange: Exchange) -> None:
         self.counters = Counters()
         self.request_ids.clear()
+        self.trace_contexts.clear()
         self.reset()
         await exchange.respond(200, self.stats())
 

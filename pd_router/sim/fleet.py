@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -53,8 +53,11 @@ class ServerProcess:
         *,
         port: int | None = None,
         log_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.extra_args = list(extra_args)
+        # Variables set for the process on top of this one's environment.
+        self.env = dict(env or {})
         # A port picked here may be grabbed by someone else before the engine binds it;
         # only then is it safe to retry with another one.
         self._port_is_ours = port is None
@@ -85,7 +88,11 @@ class ServerProcess:
             self.log_path = Path(name)
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(  # nosec B603
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env} if self.env else None,
             )
         return self
 
@@ -246,8 +253,14 @@ class RouterProcess(ServerProcess):
 
     name = "router"
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *args: str) -> None:
-        super().__init__(["--prefill", *prefill, "--decode", *decode, *args])
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *args: str,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(["--prefill", *prefill, "--decode", *decode, *args], env=env)
 
     def command(self) -> list[str]:
         argv = [sys.executable, "-m", "pd_router", "--host", _HOST, "--port", str(self.port)]

@@ -112,10 +112,19 @@ class PrefixCache:
             hits += 1
         return hits * self.block_size, hashes
 
-    def insert(self, hashes: list[int]) -> None:
-        """The blocks were used (computed or read): most recent now, the oldest evicted."""
+    def insert(self, hashes: list[int]) -> tuple[list[int], list[int]]:
+        """The blocks were used (computed or read): most recent now, the oldest evicted.
+        Returns the hashes newly stored and those evicted (for KV events)."""
+        stored = []
         for block_hash in hashes:
-            self._seen.pop(block_hash, None)
+            if block_hash in self._seen:
+                del self._seen[block_hash]
+            else:
+                stored.append(block_hash)
             self._seen[block_hash] = None
+        removed = []
         while len(self._seen) > self.capacity:
-            del self._seen[next(iter(self._seen))]
+            oldest = next(iter(self._seen))
+            del self._seen[oldest]
+            removed.append(oldest)
+        return stored, removed

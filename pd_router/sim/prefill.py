@@ -9,7 +9,7 @@ same HTTP port stands in for NIXL's side channel and transfer.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -19,6 +19,9 @@ from pd_router.sim.engine import Engine, Job, Outcome
 from pd_router.sim.kvcache import PinnedBlocks, PrefixCache
 from pd_router.sim.payloads import full_response, token_text, usage
 
+if TYPE_CHECKING:
+    from pd_router.sim.events import Publisher
+
 
 class PrefillEngine(Engine):
     def __init__(self, settings: EngineSettings, config: SimConfig) -> None:
@@ -26,6 +29,8 @@ class PrefillEngine(Engine):
         self.blocks = PinnedBlocks(settings.block_size, settings.kv_lease)
         self.prefix_cache = PrefixCache(settings.block_size, settings.prefix_cache_blocks)
         self.compute = anyio.CapacityLimiter(settings.prefill_concurrency)
+        # vLLM's KV events (``--kv-events-port``), published from startup.
+        self.events: Publisher | None = None
         self.add_route("POST", "/kv/pull", self._kv_pull)
 
     def maintain(self) -> None:
@@ -39,6 +44,19 @@ class PrefillEngine(Engine):
 
     def reset(self) -> None:
         self.prefix_cache.clear()
+        if self.events is not None:
+            self.events.publish([["AllBlocksCleared"]])
+
+    async def startup(self) -> None:
+        port = self.settings.kv_events_port
+        if port is not None:
+            from pd_router.sim.events import Publisher
+
+            self.events = Publisher(self.settings.host, port, self.settings.block_size)
+
+    async def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
     def prepare(self, job: Job) -> None:
         params = job.body.get("kv_transfer_params")
@@ -63,7 +81,12 @@ class PrefillEngine(Engine):
         if crash:
             cached = 0
         else:
-            self.prefix_cache.insert(hashes)
+            stored, removed = self.prefix_cache.insert(hashes)
+            if self.events is not None:
+                publisher = self.events
+                publisher.publish(
+                    publisher.stored(stored, hashes, tokens) + publisher.removed(removed)
+                )
             self.counters.prompt_tokens += len(tokens)
             self.counters.cached_tokens += cached
         block_ids = [] if crash else self.blocks.pin(job.request_id, tokens)

@@ -239,3 +239,10 @@ def test_prefill_names_make_prefill_nodes_with_one_slot() -> None:
     discovery = Discovery([Group(parse_dns_spec("prefill.test:8100", "prefill"))], decode_slots=4)
     (node,) = applied(discovery, Answer(frozenset({C})), fleet)
     assert node in fleet.prefill.nodes and (node.role, node.slots) == ("prefill", 1)
+
+
+def test_a_dns_name_gives_its_engines_kv_event_port_as_it_gives_their_http_port() -> None:
+    spec = parse_dns_spec("prefill.test:8100,kv_events=5557", "prefill")
+    assert spec.labels == {"kv_events": "5557"}
+    with pytest.raises(ValueError, match="kv_events must be a port number"):
+        parse_dns_spec("prefill.test:8100,kv_events=lots", "prefill")

@@ -774,6 +774,33 @@ def test_prefix_policy_reports_more_cached_tokens_than_round_robin(
     assert totals["prefix"] > totals["round_robin"]
 
 
+def test_a_short_prompt_with_max_local_prefill_is_answered_by_the_decode_engine_alone(
+    vllm_pair: VllmPair, baseline: openai.OpenAI
+) -> None:
+    """With ``--max-local-prefill`` a prompt shorter than it goes to the decode engine (a
+    ``kv_consumer``) with no ``kv_transfer_params``: the decode engine computes it itself,
+    nothing is pulled, the prefill engine serves nothing, and the tokens are those of one
+    engine answering alone."""
+    prefill = Engine("prefill", vllm_pair.prefill_url)
+    decode = Engine("decode", vllm_pair.decode_url)
+    text = prompt(f"local-{os.urandom(3).hex()}", words=12)
+    alone = ask(baseline, "completions", text, 8)  # the prefill engine, as a plain engine
+    settle(lambda: prefill.idle() and decode.idle(), "idle engines")
+    prefill.mark()
+    decode.mark()
+    args = ("--max-local-prefill", "256")
+    with router_for(vllm_pair, [vllm_pair.prefill_url], *args, log_name="router-local.log") as rt:
+        answer = ask(client_for(rt.url), "completions", text, 8)
+        rt.assert_idle()
+        lines = [line for line in rt.log().splitlines() if "request_id=" in line]
+    assert answer.token_ids == alone.token_ids
+    settle(lambda: decode.delta(FINISHED) >= 1, "the decode engine's counter")
+    assert prefill.delta(FINISHED) == 0, "the prefill engine served nothing"
+    assert decode.delta(XFERS) == 0 and decode.pulled() == 0, "nothing was pulled"
+    assert decode.computed() > 0, "the decode engine computed the prompt"
+    assert len(lines) == 1 and "local_prefill=True" in lines[0] and "prefill_node=None" in lines[0]
+
+
 # --------------------------------------------------------------------------------------
 # 7: the prefill engine dies (last: the pair stays broken)
 # --------------------------------------------------------------------------------------

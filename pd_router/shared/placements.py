@@ -1,0 +1,98 @@
+"""What each router placed where, told to the routers sharing one Redis (``--state``).
+
+The ``cost`` policy predicts what an engine holds from where its router sent prompts. A
+conversation whose turns alternate between routers would be new to each of them; so every
+router publishes its placements (the engine, by role and URL, the prompt's chunk keys, the
+same on every router: ``fleet/holdings.py``, and its tokens) and takes the others' into its
+own view and its count of each engine's share of the prefills, as if they were its own.
+Off the request path: placements wait in a bounded outbox (the oldest dropped when full) and
+go out together every ``FLUSH`` seconds on ``{pdr}:placements``; Redis being away costs
+the routers agreement, never a request. A conversation's next turn comes after its answer
+(hundreds of ms at least), well after the flush.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import anyio
+import orjson
+
+from pd_router.fleet.holdings import Prompt
+from pd_router.fleet.nodes import Node
+from pd_router.fleet.registry import Fleet
+from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable
+
+log = logging.getLogger("pd_router.placements")
+
+CHANNEL = "{pdr}:placements"
+FLUSH = 0.005
+# Placements waiting to go out: ~1 KB each for a 2,000-token prompt.
+OUTBOX = 4096
+
+
+class SharedPlacements:
+    def __init__(self, redis: Redis, router_id: str, fleet: Fleet) -> None:
+        self.redis = redis
+        self.router_id = router_id
+        self.fleet = fleet
+        self.outbox: deque[tuple[str, str, list[int], int]] = deque(maxlen=OUTBOX)
+        fleet.kv.outbox = self.outbox
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._publish)
+            tg.start_soon(self._listen)
+
+    async def _publish(self) -> None:
+        while True:
+            await anyio.sleep(FLUSH)
+            if not self.outbox:
+                continue
+            items = list(self.outbox)
+            self.outbox.clear()
+            message = orjson.dumps({"router": self.router_id, "placed": items})
+            try:
+                await self.redis.call("PUBLISH", CHANNEL, message)
+            except (RedisUnavailable, RedisError) as exc:
+                log.info("placements not shared: %s", exc)
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with self.redis.subscribe(CHANNEL) as channel:
+                    while True:
+                        _, data = await channel.next_message()
+                        self.heard(orjson.loads(data))
+            except (RedisUnavailable, RedisError, orjson.JSONDecodeError) as exc:
+                log.info("placements channel: %s; subscribing again", exc)
+                await anyio.sleep(RETRY)
+
+    def heard(self, message: Any) -> None:
+        """Another router's placements: its engines hold those prompts now."""
+        if not isinstance(message, dict) or message.get("router") == self.router_id:
+            return
+        placed = message.get("placed")
+        if not isinstance(placed, list):
+            return
+        nodes: dict[tuple[str, str], Node] = {
+            (node.role, node.url): node for node in self.fleet.nodes
+        }
+        for item in placed:
+            if not isinstance(item, list) or len(item) != 4:
+                continue
+            role, url, chunks, tokens = item
+            node = nodes.get((role, url)) if isinstance(role, str) else None
+            if node is None or not isinstance(chunks, list) or not isinstance(tokens, int):
+                continue
+            if not all(isinstance(key, int) for key in chunks):
+                continue
+            prompt = Prompt(chunks, tokens)
+            if role == "prefill":
+                # Counted in the share of placements as this router's own: every router
+                # sees the same fleet.
+                self.fleet.prefill.heard(node, prompt)
+            else:
+                self.fleet.kv.of(node.id).insert(chunks)

@@ -1,0 +1,92 @@
+"""What KV cache events in vLLM's wire format tell the router (``fleet/kvevents.py``), with
+no server: the messages are built as vLLM's publisher builds them (msgpack, three frames)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+
+from pd_router.fleet.holdings import CHUNK_TOKENS, KvView
+from pd_router.fleet.kvevents import DEGRADED, LIVE, EventError, EventStreams, decode
+
+
+def message(seq: int, *events: list[Any]) -> list[bytes]:
+    return [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb([time.time(), list(events)])]
+
+
+def batch(seq: int, *events: list[Any]) -> Any:
+    frames = message(seq, *events)
+    return decode(frames, msgpack.unpackb(frames[2], raw=False))
+
+
+def stored(count: int, size: int = 16) -> list[Any]:
+    hashes = [b"h%d" % index for index in range(count)]
+    return ["BlockStored", hashes, None, list(range(count * size)), size, None, None]
+
+
+def test_vllm_messages_decode_and_garbage_does_not() -> None:
+    parsed = batch(7, stored(2), ["BlockRemoved", [b"h0"], None], ["AllBlocksCleared"])
+    assert parsed.seq == 7
+    assert parsed.events == (
+        ("BlockStored", 2, 16),
+        ("BlockRemoved", 1, 0),
+        ("AllBlocksCleared", 0, 0),
+    )
+    # Newer vLLM versions add fields at the end (a data-parallel rank): still understood.
+    frames = message(8, stored(1))
+    assert decode(frames, [1.0, [stored(1)], 0]).seq == 8
+    for frames, payload in [
+        (frames[:2], None),
+        ([b"t", b"\x00", b""], [1.0, []]),
+        (frames, {"ts": 1.0}),
+        (frames, [1.0, [["BlockStored", [b"h"], None, [], "sixteen"]]]),
+        (frames, [1.0, [["SomethingElse"]]]),
+        (frames, [1.0, "events"]),
+    ]:
+        with pytest.raises(EventError):
+            decode(frames, payload)
+
+
+def test_a_clear_or_a_restart_empties_the_engines_predicted_holdings() -> None:
+    view = KvView()
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    view.of(0).insert([1, 2, 3])
+    streams.apply(0, batch(0, stored(3)))
+    assert stream.state == LIVE and streams.live(0) and view.of(0).held([1, 2, 3]) == 3
+    streams.apply(0, batch(1, ["AllBlocksCleared"]))
+    assert view.of(0).held([1, 2, 3]) == 0 and stream.clears == 1 and stream.blocks == 0
+    view.of(0).insert([1, 2, 3])
+    streams.apply(0, batch(2, stored(1)))
+    # The sequence starts again: a new engine process, with an empty cache.
+    streams.apply(0, batch(0, stored(1)))
+    assert view.of(0).held([1, 2, 3]) == 0 and stream.restarts == 1
+
+
+def test_a_gap_degrades_the_stream_until_messages_come_in_order_again() -> None:
+    streams = EventStreams(KvView())
+    stream = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(1)))
+    streams.apply(0, batch(5, stored(1)))
+    assert stream.state == DEGRADED and not streams.live(0) and stream.faults == {"gap": 1}
+    streams.apply(0, batch(6, stored(1)))
+    assert stream.state == LIVE
+    stream.fault("garbage", "not msgpack")
+    assert not streams.live(0) and stream.faults == {"gap": 1, "garbage": 1}
+
+
+def test_evictions_teach_the_engines_capacity() -> None:
+    view = KvView(cache_tokens=1_000_000)
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(40)))
+    assert stream.capacity is None
+    streams.apply(0, batch(1, ["BlockRemoved", [b"h0", b"h1"], None], stored(2)))
+    assert stream.capacity == 40 * 16
+    # The router's prediction of that engine is bounded by it from now on.
+    assert view.of(0).capacity == 40 * 16 // CHUNK_TOKENS
+    view.of(0).insert(list(range(100)))
+    assert len(view.of(0)) == 40 * 16 // CHUNK_TOKENS

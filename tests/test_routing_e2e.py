@@ -1,0 +1,174 @@
+"""Where prompts are computed, end to end: a real router process (``--prefill-policy cost``,
+``--max-local-prefill``) in front of simulated engines, the ``openai`` SDK as the client."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import zmq
+
+from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
+from tests.helpers import RouterProcess, wait_for
+
+ENGINE = ["--block-size", "4"]
+# A decode engine that serves a request with no kv_transfer_params by computing it itself,
+# as a vLLM kv_consumer does.
+DECODE = [*ENGINE, "--standalone", "--default-max-tokens", "4"]
+
+
+def urls(engines: list[EngineProcess]) -> list[str]:
+    return [engine.url for engine in engines]
+
+
+def client_for(router: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+
+
+def words(tag: str, count: int) -> str:
+    return " ".join(f"{tag}{index}" for index in range(count))
+
+
+def test_a_short_prompt_is_computed_by_its_decode_engine_alone() -> None:
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=DECODE) as fleet:
+        args = ["--prefill-policy", "cost", "--max-local-prefill", "100", "--log-level", "info"]
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode), *args) as router:
+            client = client_for(router)
+            short = client.completions.create(model="sim-model", prompt="a b c", max_tokens=4)
+            # The decode engine's own answer: its output comes from the prompt it computed.
+            assert short.choices[0].text == " a b c a"
+            assert fleet.prefill[0].stats()["requests"] == 0
+            long = words("w", 400)
+            first = client.completions.create(model="sim-model", prompt=long, max_tokens=4)
+            assert first.choices[0].text == " w0 w1 w2 w3"
+            assert fleet.prefill[0].stats()["requests"] == 1, "a long prompt is disaggregated"
+            # The decode engine holds what it pulled: the next turn's new words are few (the
+            # router sees prompts in chunks of ~64 tokens: what is uncached includes the
+            # pulled prompt's partial last chunk).
+            turn = client.completions.create(
+                model="sim-model", prompt=long + " more words", max_tokens=4
+            )
+            assert fleet.prefill[0].stats()["requests"] == 1
+            assert turn.usage is not None and turn.usage.prompt_tokens_details is not None
+            assert turn.usage.prompt_tokens_details.cached_tokens == 400
+            metrics = router.metrics()
+            assert metrics["pd_router_prompt_placements_total{source=prediction,where=local}"] == 2
+            assert metrics["pd_router_prompt_placements_total{source=prediction,where=remote}"] == 1
+            router.assert_idle()
+            lines = [line for line in router.log().splitlines() if "request_id=" in line]
+        assert [("local_prefill=True" in line) for line in lines] == [True, False, True]
+        assert "prefill_node=None" in lines[0] and "predicted_cached=0" in lines[0]
+
+
+def test_without_max_local_prefill_every_prompt_goes_to_a_prefill_engine() -> None:
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=DECODE) as fleet:
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode)) as router:
+            client_for(router).completions.create(model="sim-model", prompt="a b", max_tokens=2)
+            assert fleet.prefill[0].stats()["requests"] == 1
+
+
+def test_cost_sends_each_turn_where_the_conversation_is_cached() -> None:
+    """Two prefill engines: every later turn is served from the cache of the engine that
+    computed the turn before (round robin would miss half of them)."""
+    with SimFleet(2, 1, prefill_args=ENGINE, decode_args=ENGINE) as fleet:
+        args = ["--prefill-policy", "cost"]
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode), *args) as router:
+            client = client_for(router)
+            system = {"role": "system", "content": words("s", 60)}
+            for conversation in range(6):
+                messages = [system]
+                computed = 0
+                for turn in range(3):
+                    text = words(f"c{conversation}t{turn}x", 30)
+                    messages.append({"role": "user", "content": text})
+                    answer = client.chat.completions.create(
+                        model="sim-model", messages=messages, max_tokens=4  # type: ignore
+                    )
+                    usage = answer.usage
+                    assert usage is not None and usage.prompt_tokens_details is not None
+                    cached = usage.prompt_tokens_details.cached_tokens or 0
+                    if turn:
+                        assert cached >= computed - 4, (conversation, turn, cached, computed)
+                    computed = usage.prompt_tokens
+                    content = answer.choices[0].message.content or ""
+                    messages.append({"role": "assistant", "content": content})
+            router.assert_idle()
+
+
+TOKEN = "routing"
+
+
+def stream_of(router: RouterProcess) -> dict[str, Any]:
+    answer = httpx.get(
+        f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    )
+    node = next(node for node in answer.json()["nodes"] if node["role"] == "prefill")
+    return node["kv_events"]  # type: ignore[no-any-return]
+
+
+def test_the_router_follows_an_engines_kv_events_and_forgets_what_it_cleared() -> None:
+    port = free_port()
+    prefill_args = [*ENGINE, "--kv-events-port", str(port)]
+    with SimFleet(1, 1, prefill_args=prefill_args, decode_args=ENGINE) as fleet:
+        engines = [f"{fleet.prefill[0].url},kv_events={port}"], urls(fleet.decode)
+        args = ["--prefill-policy", "cost", "--admin-token", TOKEN]
+        with RouterProcess(*engines, *args) as router:
+            client = client_for(router)
+            wait_for(lambda: stream_of(router)["endpoint"] is not None, what="a subscriber")
+            long = words("w", 400)
+            turns = [long, long + " more", long + " more and more"]
+            # ZMQ subscribers join late: send until the engine's events are seen.
+            deadline = time.monotonic() + 30
+            while stream_of(router)["state"] != "live" and time.monotonic() < deadline:
+                client.completions.create(model="sim-model", prompt=turns[0], max_tokens=2)
+                time.sleep(0.2)
+            stream = stream_of(router)
+            assert stream["state"] == "live" and stream["blocks"] >= 100, stream
+            client.completions.create(model="sim-model", prompt=turns[1], max_tokens=2)
+            fleet.prefill[0].reset()  # the engine's cache is emptied: AllBlocksCleared
+            wait_for(lambda: stream_of(router)["clears"] == 1, what="the clear seen")
+            client.completions.create(model="sim-model", prompt=turns[2], max_tokens=2)
+            metrics = router.metrics()
+            assert (
+                metrics[
+                    "pd_router_kv_event_stream{node=0,state=live,url=%s}" % (fleet.prefill[0].url)
+                ]
+                == 1
+            )
+            lines = [line for line in router.log().splitlines() if "request_id=" in line]
+        second, third = lines[-2], lines[-1]
+        assert "cache_source=events" in second and "predicted_cached=0 " not in second
+        # The router forgot what the engine said it no longer holds.
+        assert "cache_source=events" in third and "predicted_cached=0 " in third
+
+
+def test_garbage_on_an_event_stream_degrades_it_and_requests_go_on() -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with SimFleet(1, 1, prefill_args=ENGINE, decode_args=ENGINE) as fleet:
+            engines = [f"{fleet.prefill[0].url},kv_events={port}"], urls(fleet.decode)
+            args = ["--prefill-policy", "cost", "--admin-token", TOKEN]
+            with RouterProcess(*engines, *args) as router:
+
+                def degraded() -> bool:
+                    publisher.send_multipart([b"kv-events", b"\x00" * 8, b"\xc1 not msgpack"])
+                    return bool(stream_of(router)["state"] == "degraded")
+
+                wait_for(degraded, timeout=30, what="the stream degraded")
+                answer = client_for(router).completions.create(
+                    model="sim-model", prompt="still served", max_tokens=2
+                )
+                assert answer.choices[0].text
+                url = fleet.prefill[0].url
+                faults = router.metrics()[
+                    f"pd_router_kv_event_faults_total{{kind=garbage,node=0,url={url}}}"
+                ]
+                assert faults >= 1
+                assert stream_of(router)["last_fault"]
+    finally:
+        publisher.close(linger=0)
+        context.term()
