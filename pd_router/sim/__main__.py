@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-port",
         metavar="PORT",
         type=int,
-        help="publish KV cache events on this port (ZMQ PUB, vLLM's wire format)",
+        help="publish KV cache events on this port (ZMQ PUB, vLLM's wire format) (default: off)",
     )
     prefill.add_argument(
         "--prefill-concurrency",
