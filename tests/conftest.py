@@ -7,6 +7,7 @@ from pd_router.shared.redis import Redis, parse_url
 from tests.redis_server import RedisServer
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """How pytest-xdist (``-n 4``, setup.cfg) shares the tests out: a test module at a time,
     so that a module's servers (module-scoped routers, engines, redis-servers) start once,
