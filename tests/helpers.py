@@ -46,7 +46,12 @@ class RouterProcess(fleet.RouterProcess):
         )
 
 
-def wait_for(check: Callable[[], bool], *, timeout: float = 10.0, what: str = "condition") -> None:
+# What a wait allows by default: it returns as soon as the state is there, and this machine
+# (two cores, shared) has stood still for tens of seconds.
+WAIT = 60.0
+
+
+def wait_for(check: Callable[[], bool], *, timeout: float = WAIT, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

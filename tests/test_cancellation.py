@@ -19,6 +19,11 @@ from tests.helpers import RawClient, RouterProcess, slots_in_use, wait_for
 
 BODY = {"model": "sim-model", "prompt": "cancel me please now", "max_tokens": 50, "stream": True}
 LEASE = "60"  # long enough that "freed" can only mean "pulled"
+# What a wait allows: it ends as soon as the state is there. The steps the tests wait out
+# instead (a prefill, a first token, a whole answer) are made longer than this, so that
+# "aborted" cannot mean "it ended anyway" however slow the machine.
+WAIT = 30
+FOREVER = 600
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +90,8 @@ def test_client_leaves_during_prefill_and_the_answer_comes_within_the_grace(
     wait_for(lambda: prefill.stats()["active"] == 1, what="prefill to start")
     assert router.in_use() == 1, "the decode slot is reserved before prefill"
     client.hang_up()
-    wait_for(lambda: prefill.stats()["transfers"] == 1, timeout=5, what="the KV to be pulled")
-    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot")
+    wait_for(lambda: prefill.stats()["transfers"] == 1, timeout=WAIT, what="the KV to be pulled")
+    wait_for(lambda: router.in_use() == 0, timeout=WAIT, what="the slot")
     assert prefill.stats()["blocks_pinned"] == 0 and prefill.stats()["aborted"] == 0
     assert decode.stats()["requests"] == 1, "one drain request"
 
@@ -102,7 +107,7 @@ def test_hang_ups_around_the_prefill_answer_leave_no_kv_pinned(
         client = RawClient(router.url, "/v1/completions", BODY)
         time.sleep(rng.uniform(0.015, 0.03))
         client.hang_up()
-    wait_for(lambda: router.in_use() == 0, timeout=20, what="every drain")
+    wait_for(lambda: router.in_use() == 0, timeout=2 * WAIT, what="every drain")
     stats = prefill.stats()
     assert stats["blocks_pinned"] == 0
     assert stats["transfers"] == stats["completed"], "every answered prefill was pulled"
@@ -112,14 +117,14 @@ def test_client_leaves_during_a_prefill_slower_than_the_grace(
     router: RouterProcess, engines: tuple[EngineProcess, ...]
 ) -> None:
     prefill, decode = engines
-    prefill.configure(prefill_delay=30)
+    prefill.configure(prefill_delay=FOREVER)
     client = RawClient(router.url, "/v1/completions", BODY)
     wait_for(lambda: prefill.stats()["active"] == 1, what="prefill to start")
     client.hang_up()
     left = time.monotonic()
-    wait_for(lambda: prefill.stats()["aborted"] == 1, timeout=8, what="the prefill abort")
-    assert 4.5 < time.monotonic() - left < 8, "after --handoff-grace (5 s)"
-    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot")
+    wait_for(lambda: prefill.stats()["aborted"] == 1, timeout=WAIT, what="the prefill abort")
+    assert time.monotonic() - left > 4.5, "not before --handoff-grace (5 s)"
+    wait_for(lambda: router.in_use() == 0, timeout=WAIT, what="the slot")
     assert prefill.stats()["blocks_pinned"] == 0
     assert decode.stats()["requests"] == 0
     prefill.configure(prefill_delay=0)
@@ -135,9 +140,11 @@ def test_client_leaves_between_prefill_and_decode(
     wait_for(lambda: prefill.stats()["blocks_pinned"] > 0, what="prefill to finish")
     wait_for(lambda: decode.stats()["active"] == 1, what="the decode request to arrive")
     client.hang_up()
-    wait_for(lambda: prefill.stats()["blocks_pinned"] == 0, timeout=5, what="the KV to be pulled")
+    wait_for(
+        lambda: prefill.stats()["blocks_pinned"] == 0, timeout=WAIT, what="the KV to be pulled"
+    )
     assert prefill.stats()["transfers"] == 1 and prefill.stats()["blocks_expired"] == 0
-    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=5, what="the decode abort")
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=WAIT, what="the decode abort")
     assert decode.stats()["completed"] == 0
 
 
@@ -146,23 +153,25 @@ def test_client_leaves_before_the_first_chunk(
 ) -> None:
     prefill, decode = engines
     decode.configure(ttft=5)
-    client = RawClient(router.url, "/v1/completions", BODY)
+    # 2000 tokens at 20 ms after the first: 40 s for the whole answer.
+    client = RawClient(router.url, "/v1/completions", {**BODY, "max_tokens": 2000})
     wait_for(lambda: decode.stats()["transfers"] == 1, what="decode to pull the KV")
-    client.read_until(b"\r\n\r\n")  # the headers, and nothing else yet
+    client.read_until(b"\r\n\r\n", timeout=WAIT)  # the headers, and nothing else yet
     client.hang_up()
-    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=2, what="the decode abort, at once")
-    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot, at once")
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=WAIT, what="the decode abort")
+    wait_for(lambda: router.in_use() == 0, timeout=WAIT, what="the slot")
 
 
 def test_client_leaves_mid_stream(
     router: RouterProcess, engines: tuple[EngineProcess, ...]
 ) -> None:
     prefill, decode = engines
-    client = RawClient(router.url, "/v1/completions", BODY)
-    client.read_until(b'"text"', count=3)
+    # 2000 tokens at 20 ms: 40 s for the whole answer.
+    client = RawClient(router.url, "/v1/completions", {**BODY, "max_tokens": 2000})
+    client.read_until(b'"text"', count=3, timeout=WAIT)
     client.hang_up()
-    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=2, what="the decode abort")
-    wait_for(lambda: router.in_use() == 0, timeout=2, what="the slot")
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=WAIT, what="the decode abort")
+    wait_for(lambda: router.in_use() == 0, timeout=WAIT, what="the slot")
     assert decode.stats()["completed"] == 0
 
 
@@ -181,9 +190,9 @@ def test_non_streaming_client_leaves_during_decode(
     router: RouterProcess, engines: tuple[EngineProcess, ...]
 ) -> None:
     prefill, decode = engines
-    decode.configure(itl=0.2)
-    client = RawClient(router.url, "/v1/completions", {**BODY, "stream": False})
+    # 2000 tokens at 20 ms: 40 s for the whole answer.
+    client = RawClient(router.url, "/v1/completions", {**BODY, "stream": False, "max_tokens": 2000})
     wait_for(lambda: decode.stats()["transfers"] == 1, what="decode to start")
     client.hang_up()
-    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=8, what="the decode abort")
+    wait_for(lambda: decode.stats()["aborted"] == 1, timeout=WAIT, what="the decode abort")
     assert decode.stats()["completed"] == 0

@@ -184,8 +184,10 @@ async def scripted_engine(
 
 @asynccontextmanager
 async def engine_client(
-    connect_timeout: float = 1.0, read_timeout: float = 1.0
+    connect_timeout: float = 30.0, read_timeout: float = 30.0
 ) -> AsyncIterator[Upstream]:
+    """A client whose timeouts fire only in the tests that set them: a second was seen to
+    run out on a loaded machine (a connect to a local engine)."""
     client = Upstream(connect_timeout=connect_timeout, read_timeout=read_timeout)
     try:
         yield client
@@ -218,7 +220,7 @@ def idle(client: Upstream) -> list[EngineConnection]:
     return [conn for pool in client._idle.values() for conn in pool]
 
 
-async def until(check: Callable[[], bool], seconds: float = 1.0) -> None:
+async def until(check: Callable[[], bool], seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -677,11 +679,12 @@ async def test_the_read_timeout_is_between_bytes_not_for_the_whole_answer() -> N
 
     async def handler(conn: Conn) -> None:
         await conn.request()
-        await conn.send(CHUNKED_HEAD, *pieces, LAST_CHUNK, pause=0.1)
+        await conn.send(CHUNKED_HEAD, *pieces, LAST_CHUNK, pause=0.5)
         await conn.until_gone()
 
-    # 0.7 s of answer, never 0.25 s without a byte: the timer moved along, it never fired.
-    async with scripted_engine(handler) as engine, engine_client(read_timeout=0.25) as client:
+    # 3.5 s of answer, a byte every 0.5 s, never 2 s without one (unless the machine stalls
+    # for 1.5 s): the timer moved along, it never fired.
+    async with scripted_engine(handler) as engine, engine_client(read_timeout=2) as client:
         with await client.post(engine.url + "/v1/completions", {}, "r") as response:
             assert b"".join([data async for data in chunks(response)]) == b"".join(
                 b"data: %d\n\n" % i for i in range(6)

@@ -27,6 +27,8 @@ time fails.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Generator, Iterator
 
 import pytest
@@ -53,6 +55,11 @@ ENGINE_KEEP_ALIVE = 75
 # shows what a wrong one does. It costs no engine start of its own.
 ENGINE_API_KEY = "pd-router-suite-engine-key"
 BREAKS_PAIR = "breaks_vllm_pair"
+# The test that meets the pair's first NIXL handshake: it runs before every other one.
+FIRST_ON_PAIR = "first_on_vllm_pair"
+# The fixture of a second prefill engine (see ``vllm_pair``).
+SECOND_PREFILL = "second_prefill"
+WORKER = "PYTEST_XDIST_WORKER"
 # Runs after a failure. Two, because a CI run met two faults of the machine in a row: the
 # first NIXL handshake timed out, and the rerun's router process stalled before it could
 # answer.
@@ -62,6 +69,9 @@ RERUNS = 2
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{BREAKS_PAIR}: stops an engine of the shared vLLM pair; runs last"
+    )
+    config.addinivalue_line(
+        "markers", f"{FIRST_ON_PAIR}: meets the vLLM pair's first NIXL handshake; runs first"
     )
 
 
@@ -76,14 +86,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(REAL_VLLM_TIMEOUT))
         item.add_marker(pytest.mark.flaky(reruns=RERUNS))
-    # Tests that break the pair go after the others that use it, in the same places of the
-    # session order (the rest of the session is not reordered).
-    slots = [i for i, item in enumerate(items) if _uses_pair(item)]
-    pair_items = [items[i] for i in slots]
-    ordered = [it for it in pair_items if not it.get_closest_marker(BREAKS_PAIR)]
-    ordered += [it for it in pair_items if it.get_closest_marker(BREAKS_PAIR)]
-    for i, item in zip(slots, ordered):
-        items[i] = item
+    # The tests that use the pair go last in the session, so that xdist (one worker for
+    # this folder, see tests/conftest.py) hands them out once every other test is: the
+    # engines (a busy core each, even idle) hardly share the machine with the rest of the
+    # suite. Among them, the ones that need a second prefill engine go right after the
+    # first (which must meet the pair's first NIXL handshake), so that engine can stop
+    # early; the ones that break the pair go last.
+    pair_items = [item for item in items if _uses_pair(item)]
+    items[:] = [item for item in items if not _uses_pair(item)]
+    items += sorted(pair_items, key=_pair_order)
+
+
+def _pair_order(item: pytest.Item) -> int:
+    if item.get_closest_marker(BREAKS_PAIR):
+        return 3
+    if item.get_closest_marker(FIRST_ON_PAIR):
+        return 0
+    return 1 if SECOND_PREFILL in getattr(item, "fixturenames", ()) else 2
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,8 +115,12 @@ def _progress_on_the_terminal(pytestconfig: pytest.Config) -> None:
 
     def say(message: str) -> None:
         # Output is captured while fixtures set up, the terminal's included: let it through.
+        # An xdist worker's terminal goes nowhere; its stderr is the run's.
         with capture.global_and_fixture_disabled():
-            terminal.write_line(f"[real vLLM] {message}")
+            if WORKER in os.environ:
+                print(f"[real vLLM] {message}", file=sys.stderr, flush=True)
+            else:
+                terminal.write_line(f"[real vLLM] {message}")
 
     engines.progress = say
 
@@ -107,12 +130,20 @@ _started: list[VllmPair] = []
 
 
 @pytest.fixture(scope="package")
-def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
+def vllm_pair(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[VllmPair]:
+    """The pair, and a second prefill engine started with it if a test of this session
+    asks for one (``second_prefill``): three engines starting at once take less than the
+    pair and then the third (130-210 s alone next to the idle pair, which polls both cores),
+    and the third stops when its test ends (those tests run right after the first)."""
+    spare = any(SECOND_PREFILL in getattr(i, "fixturenames", ()) for i in request.session.items)
     with VllmPair(
         tmp_path_factory.mktemp("vllm-pair"),
         extra_args=["--block-size", str(BLOCK_SIZE), "--api-key", ENGINE_API_KEY],
         kv_extra_config={"kv_lease_duration": KV_LEASE},
         extra_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE)},
+        spare_prefills=int(spare),
     ) as pair:
         _started.append(pair)
         try:

@@ -641,8 +641,10 @@ class VllmPair(_Harness):
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
+        spare_prefills: int = 0,
     ) -> None:
         super().__init__(work_dir, venv, model_dir, startup_timeout)
+        self.spare_prefills = spare_prefills
         self.kv_extra_config = kv_extra_config
         self.extra_args = list(extra_args)
         self.prefill_args = list(prefill_args)
@@ -652,6 +654,8 @@ class VllmPair(_Harness):
         self.decode: VllmEngine | None = None
         # Engines started by another_prefill() and still running.
         self.extra: list[VllmEngine] = []
+        # Prefill engines started with the pair, running, for another_prefill() to hand out.
+        self.spares: list[VllmEngine] = []
 
     @property
     def engines(self) -> list[VllmEngine]:
@@ -678,14 +682,19 @@ class VllmPair(_Harness):
         try:
             self._prepare()
             assert self.venv and self.model_dir and self.work_dir
-            p_port, d_port, p_side, d_side = free_ports(4)
+            p_port, d_port, p_side, d_side, *spare_ports = free_ports(4 + 2 * self.spare_prefills)
             self.prefill = self._engine("prefill", p_port, p_side, self.work_dir)
             self.decode = self._engine("decode", d_port, d_side, self.work_dir)
+            self.spares = [
+                self._engine("prefill", port, side, self.work_dir / f"prefill-{i + 2}")
+                for i, (port, side) in enumerate(zip(spare_ports[::2], spare_ports[1::2]))
+            ]
             t = time.monotonic()
-            with step("starting the prefill and decode engines (1-2 min)"):
-                self.prefill.start()
-                self.decode.start()
-                wait_healthy(self.engines, self.startup_timeout)
+            spares = f" and {len(self.spares)} more prefill" if self.spares else ""
+            with step(f"starting the prefill and decode engines{spares} (1-3 min)"):
+                for engine in [*self.engines, *self.spares]:
+                    engine.start()
+                wait_healthy([*self.engines, *self.spares], self.startup_timeout)
             self.timings["startup_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
@@ -706,22 +715,31 @@ class VllmPair(_Harness):
     @contextlib.contextmanager
     def another_prefill(self, name: str = "prefill-2") -> Iterator[VllmEngine]:
         """One more prefill (kv_producer) engine with this pair's settings, for a test that
-        needs two (1-2 min to start, ~3 GB RSS): its log and caches in ``work_dir / name``,
-        stopped on every exit from the ``with`` block. The decode engine's first request to
-        it makes a NIXL handshake of its own. ``diagnosis()`` lists it while it runs;
-        ``revive()`` does not restart it.
+        needs two (~3 GB RSS), stopped on every exit from the ``with`` block: a spare
+        started with the pair (``spare_prefills``) if one is still running, else a new one
+        (1-3 min to start), its log and caches in ``work_dir / name``. The decode engine's
+        first request to it makes a NIXL handshake of its own. ``diagnosis()`` lists it
+        while it runs; ``revive()`` does not restart it.
 
         The pair's engines, idle, keep both cores busy (NIXL's progress thread and the
-        worker's polling, two threads each) and slow the new engine's start: they give way
-        (``niced``) meanwhile, which measured 129-161 s against 161-191 s without."""
+        worker's polling, two threads each) and slow a new engine's start: they give way
+        (``niced``) meanwhile, which measured 129-161 s against 161-191 s without. A spare
+        starts with the pair instead, before anything polls."""
         assert self.work_dir is not None, "VllmPair not started"
-        port, side_channel_port = free_ports(2)
-        engine = self._engine("prefill", port, side_channel_port, self.work_dir / name)
+        spare = next((e for e in self.spares if e.alive()), None)
+        if spare is not None:
+            self.spares.remove(spare)
+            engine = spare
+        else:
+            port, side_channel_port = free_ports(2)
+            engine = self._engine("prefill", port, side_channel_port, self.work_dir / name)
         self.extra.append(engine)
         try:
-            with step(f"starting another prefill engine, {name} (1-2 min)"), niced(self.engines):
-                engine.start()
-                wait_healthy([engine], self.startup_timeout)
+            if spare is None:
+                with step(f"starting another prefill engine, {name} (1-3 min)"):
+                    with niced(self.engines):
+                        engine.start()
+                        wait_healthy([engine], self.startup_timeout)
             yield engine
         finally:
             self.extra.remove(engine)
@@ -749,7 +767,7 @@ class VllmPair(_Harness):
     def diagnosis(self, lines: int = 12) -> str:
         """For a failed test's report: each engine's state and the last errors in its log."""
         parts = []
-        for e in [*self.engines, *self.extra]:
+        for e in [*self.engines, *self.extra, *self.spares]:
             state = (
                 "running" if e.alive() else f"exited with {e.proc.returncode if e.proc else None}"
             )
@@ -765,7 +783,7 @@ class VllmPair(_Harness):
     def stop(self) -> None:
         # Stop both even if one stop raises; decode first (it may be pulling from prefill).
         errors = []
-        for e in (self.decode, self.prefill):
+        for e in (*self.spares, self.decode, self.prefill):
             if e is None:
                 continue
             try:

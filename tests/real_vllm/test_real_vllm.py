@@ -378,6 +378,7 @@ def baseline(vllm_pair: VllmPair) -> openai.OpenAI:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.first_on_vllm_pair
 def test_the_first_request_after_the_pair_starts_succeeds_with_default_flags(
     vllm_pair: VllmPair,
 ) -> None:
@@ -657,7 +658,9 @@ def test_client_leaving_while_decode_engine_has_not_answered_leaves_no_kv_pinned
 # 6: two prefill engines: the prefix policy finds the cache that round robin misses
 # --------------------------------------------------------------------------------------
 
-CONVERSATIONS = 3
+# Two conversations: the second shows the first's turns were no accident; each more costs
+# six requests of ~10 s (three engines share the two cores meanwhile).
+CONVERSATIONS = 2
 TURNS = 3
 # Words of each user message: ~95 tokens with the tiny model's tokenizer (~3.5 a word), so
 # a turn adds about three 32-token blocks and the third turn's prompt (~330 tokens) stays

@@ -47,7 +47,7 @@ def own_server() -> Iterator[RedisServer]:
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    with anyio.move_on_after(5):
+    with anyio.move_on_after(30):
         while not await check():
             await anyio.sleep(0.01)
         return

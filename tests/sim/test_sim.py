@@ -123,7 +123,7 @@ def expected_text(tokens: list[str], count: int) -> str:
     return "".join(" " + tokens[i % len(tokens)] for i in range(count))
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
