@@ -25,6 +25,8 @@ from pd_router.discovery.loop import discover_forever
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
+from pd_router.edge.auth import Key
+from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
 from pd_router.engines.kvevents import follow
@@ -44,6 +46,7 @@ from pd_router.errors import (
     PayloadTooLarge,
     RouterError,
     ShuttingDown,
+    Unauthorized,
 )
 from pd_router.fleet.membership import LocalMembership, Membership
 from pd_router.fleet.models import listing as model_listing
@@ -76,6 +79,7 @@ class OpenAIRoute:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = b""
         rid_header: str | None = None
+        authorization: bytes | None = None
         via: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -84,25 +88,31 @@ class OpenAIRoute:
                 declared = value
             elif name == hops.HEADER:
                 via = value if via is None else via + b"," + value
+            elif name == b"authorization":
+                authorization = value
         rid = request_id(rid_header)
+        key = None
         tracer = self.router.tracer
         trace = None if tracer is None else tracer.request(scope["headers"], PATHS[self.endpoint])
         try:
             # First: a loop is refused before anything of it is read or held.
             onward = hops.passed(via, self.mark)
+            if self.router.keys is not None:
+                # Before the body is read: a client without a key costs no memory either.
+                key = self.router.keys.keys.check(authorization)
             if self.router.shutting_down:
                 raise ShuttingDown("router shutting down")
             raw = await _read_body(receive, declared, self.max_body_bytes)
             if raw is None:
-                self.router.telemetry.count(self.endpoint, "client_aborted")
+                self.router.telemetry.count(self.endpoint, "client_aborted", _name(key))
                 if trace is not None:
                     trace.finish(rid, "client_aborted", 0, None)
                 return
             body = parse_body(raw, self.endpoint)
-            relay = Relay(self.router, self.endpoint, body, rid, onward, trace)
+            relay = Relay(self.router, self.endpoint, body, rid, onward, trace, key)
         except RouterError as error:
             outcome = error.outcome or "bad_request"
-            self.router.telemetry.count(self.endpoint, outcome)
+            self.router.telemetry.count(self.endpoint, outcome, _name(key))
             if trace is not None:
                 trace.finish(rid, outcome, error.status, error)
             answer = ClientStream(rid)
@@ -118,17 +128,24 @@ class RouterApp:
     framework's middleware would wrap every streamed chunk's ``send``. Everything else,
     those routes' other methods included, is the Starlette app's."""
 
-    def __init__(self, openai: dict[str, OpenAIRoute], rest: Starlette, mark: str) -> None:
+    def __init__(
+        self,
+        openai: dict[str, OpenAIRoute],
+        rest: Starlette,
+        mark: str,
+        keys: KeyFile | None = None,
+    ) -> None:
         self.openai = openai
         self.rest = rest
         self.mark = mark.encode()
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if scope["method"] == "POST":
                 route = self.openai.get(scope["path"])
                 if route is not None:
-                    await route(scope, receive, send)
+                    await route(scope, receive, send)  # checks the key itself
                     return
             # A probe or a model read of a router that is its own node, say.
             via = [value for name, value in scope["headers"] if name == hops.HEADER]
@@ -137,6 +154,18 @@ class RouterApp:
                     hops.passed(b",".join(via), self.mark)
                 except LoopDetected as loop:
                     await error_response(loop)(scope, receive, send)
+                    return
+            if self.keys is not None and scope["path"].startswith("/v1/"):
+                # Every /v1/ path, /v1/models and those that do not exist included: without
+                # a key, a client learns nothing, not even which paths there are.
+                authorization = next(
+                    (value for name, value in scope["headers"] if name == b"authorization"),
+                    None,
+                )
+                try:
+                    self.keys.keys.check(authorization)
+                except Unauthorized as error:
+                    await error_response(error)(scope, receive, send)
                     return
         await self.rest(scope, receive, send)
 
@@ -233,7 +262,14 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         "DNS discovery",
                         partial(_discover, router, router.discovery, membership, admit),
                     )
-                for name, work in [*fleet.pool.background(), *membership.background()]:
+                background = [
+                    *fleet.pool.background(),
+                    *membership.background(),
+                    *router.key_limits.background(),
+                ]
+                if router.keys is not None:
+                    background.append(("the api keys file watch", router.keys.watch))
+                for name, work in background:
                     tg.start_soon(supervise, name, work)
                 if remote is not None:
                     tg.start_soon(supervise, "the abort channel", remote.run)
@@ -284,7 +320,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     # A redirect to the path without its slash would name the host the client's Host header
     # says; a 404 that names the right path serves the client better.
     rest.router.redirect_slashes = False
-    return RouterApp(openai, rest, router.mark)
+    return RouterApp(openai, rest, router.mark, router.keys)
 
 
 async def _discover(
@@ -335,6 +371,10 @@ async def _read_body(receive: Receive, declared: bytes, limit: int) -> bytes | N
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _name(key: Key | None) -> str:
+    return "" if key is None else key.name
 
 
 def _json(document: Any, status: int = 200) -> Response:

@@ -166,6 +166,31 @@ class QueueTimeout(Busy):
     outcome = "rejected_timeout"
 
 
+class Unauthorized(RouterError):
+    """No key, or a key not in ``--api-keys-file`` (``edge/auth.py``). The message never
+    repeats what the client sent."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    outcome = "unauthorized"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class RateLimited(RouterError):
+    """A key with ``max_in_flight`` requests in flight already (``fleet/keys.py``): only
+    that key is refused."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    outcome = "rate_limited"
+    retry_after = "1"
+
+
 class UpstreamError(RouterError):
     """An engine failed or answered with an error; its status is passed on when it has one.
 
@@ -179,6 +204,10 @@ class UpstreamError(RouterError):
     ``too_large`` (an answer over ``--max-response-bytes``: the request's, not the node's);
     and ``loop`` (a 508 ``loop_detected``: the node leads back to a router the request
     passed through, so it is no engine: fatal, the node is dead at once).
+    ``tls`` (a TLS handshake failed) is soft: an engine whose certificate is not trusted,
+    or which refuses the router's, is routed around once unhealthy, never made dead, so
+    that when every node fails so (the router's own settings are wrong) they all still
+    take requests and each client is told what failed, naming the engine.
     """
 
     type = "upstream_error"
@@ -221,6 +250,7 @@ _EVIDENCE = {
     "protocol": Evidence.HARD,
     "http_5xx": Evidence.SOFT,
     "connect_timeout": Evidence.SOFT,
+    "tls": Evidence.SOFT,
 }
 _OUTCOMES = {"timeout": "timeout", "stalled": "stalled", "node_dead": "node_dead"}
 
@@ -239,6 +269,8 @@ def engine_message(raw: bytes) -> str | None:
         error = parsed.get("error", parsed)
         if isinstance(error, dict) and isinstance(error.get("message"), str):
             return str(error["message"])
+        if isinstance(error, str):
+            return error  # vLLM's 401: {"error": "Unauthorized"}
         if isinstance(parsed.get("message"), str):
             return str(parsed["message"])
     return None

@@ -40,6 +40,8 @@ from starlette.types import Receive, Scope, Send
 
 from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
+from pd_router.edge.auth import Key
+from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -55,6 +57,7 @@ from pd_router.errors import (
 )
 from pd_router.fleet import models
 from pd_router.fleet.holdings import Prompt, describe
+from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
 from pd_router.fleet.prefill import prefix_key
@@ -94,6 +97,10 @@ class Router:
     stopping: anyio.Event | None = None
     # The names nodes are discovered by (--prefill-dns, --decode-dns), if any.
     discovery: Discovery | None = None
+    # The client keys (--api-keys-file): None, every client may use the fleet.
+    keys: KeyFile | None = None
+    # Requests in flight per key, for keys with a max_in_flight (the fleet's with --state).
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
     # What this router adds to the marks of what it sends to engines (``edge/hops.py``);
     # one for all its --workers.
     mark: str = field(default_factory=hops.new_mark)
@@ -111,7 +118,7 @@ class Router:
             self.stopping.set()
 
     def __post_init__(self) -> None:
-        self.telemetry = Telemetry(self.fleet, self.discovery)
+        self.telemetry = Telemetry(self.fleet, self.discovery, keys=self.keys is not None)
         self.upstream.mark = self.mark.encode()
 
 
@@ -127,11 +134,17 @@ class Relay:
         request_id: str,
         via: bytes = b"",
         trace: RequestTrace | None = None,
+        key: Key | None = None,
     ) -> None:
         """``via``: the marks of the routers it passed through, this one's last
         (``edge/hops.py``), sent to the engines."""
         self.router = router
         self.via = via
+        # The client's key (--api-keys-file); its name, never the key, is what is shown.
+        self.key = key
+        self.key_name = "" if key is None else key.name
+        if trace is not None and key is not None:
+            trace.root.set_attribute("pd_router.key", key.name)
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body
@@ -199,13 +212,14 @@ class Relay:
         first = client.first_byte_at
         ttft = first - self._arrived if first is not None and client.status == 200 else None
         telemetry = self.router.telemetry
-        telemetry.count(self.endpoint, self.outcome)
+        telemetry.count(self.endpoint, self.outcome, self.key_name)
         telemetry.observe(Timings(self._queued, self._prefill_seconds, ttft, now - self._arrived))
         if self._predicted_cached is not None:
             telemetry.placed(self._local, self._cache_source, self._predicted_cached)
         model = self.model[: models.MAX_ID]
         fields = {
             "request_id": self.request_id,
+            "key": self.key_name or None,
             "endpoint": self.endpoint,
             "model": model,
             "outcome": self.outcome,
@@ -266,6 +280,19 @@ class Relay:
         # Unwound in reverse: engine connections closed, binding removed, slot released.
         # ``reserve`` puts the reservation inside the ``try`` that releases it (fleet/pool.py).
         models.check(self.model, fleet.offer)
+        limit = None if self.key is None else self.key.max_in_flight
+        if limit is None:
+            await self._reserve(client)
+            return
+        await router.key_limits.enter(self.key_name, limit)
+        try:
+            await self._reserve(client)
+        finally:
+            router.key_limits.leave(self.key_name)
+
+    async def _reserve(self, client: ClientStream) -> None:
+        router = self.router
+        fleet = router.fleet
         trace = self.trace
         if trace is not None:
             trace.queue()

@@ -14,6 +14,7 @@ import gc
 import ipaddress
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from importlib import metadata
@@ -27,6 +28,7 @@ from pd_router.app import MAX_BODY_BYTES, AppOptions, create_app
 from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery, Group
 from pd_router.edge import hops
+from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.protocol import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
@@ -39,8 +41,9 @@ from pd_router.edge.protocol import (
     default_max_connections,
     protocol,
 )
-from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream
+from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
+from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
@@ -48,6 +51,7 @@ from pd_router.fleet.registry import Fleet
 from pd_router.ops import logs, tracing
 from pd_router.parser import Parser, parse
 from pd_router.relay import Router, Settings
+from pd_router.shared.keys import SharedKeyLimits
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, parse_url
 
@@ -222,6 +226,20 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "the DNS server to ask for discovery; unset, the system's resolver configuration"),
     ("--admin-token", str, None, "TOKEN",
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
+    ("--api-keys-file", str, None, "FILE",
+     "client keys, one a line: NAME KEY [max_in_flight=N] (KEY may be sha256:<hex>); every "
+     "/v1/ request then needs 'Authorization: Bearer <key>'; read again when it changes"),
+    ("--engine-api-key", str, None, "KEY",
+     "sent to every engine as 'Authorization: Bearer KEY' (vLLM's --api-key); better set "
+     "as PD_ROUTER_ENGINE_API_KEY, out of the process list"),
+    ("--ssl-certfile", str, None, "FILE", "serve HTTPS with this certificate (PEM)"),
+    ("--ssl-keyfile", str, None, "FILE", "the private key of --ssl-certfile (PEM)"),
+    ("--engine-ca", str, None, "FILE",
+     "trust https:// engines whose certificates this CA (PEM) signed, instead of the "
+     "system's CAs"),
+    ("--engine-cert", str, None, "FILE",
+     "client certificate (PEM) the router shows https:// engines that require one (mTLS)"),
+    ("--engine-key", str, None, "FILE", "the private key of --engine-cert (PEM)"),
     ("--shutdown-timeout", _seconds, 30.0, "SECONDS",
      "on SIGTERM, how long in-flight requests get to finish before they are failed"),
     ("--otlp-traces-endpoint", _traces_url, None, "URL",
@@ -388,10 +406,16 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
         )
     policy = HealthPolicy(unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after)
     pool: Callable[[list[Node]], DecodePool] = DecodePool
+    key_limits = KeyLimits()
     if args.state is not None:
         # A Redis that does not answer within a second is away: fail new requests fast.
         redis = Redis(parse_url(args.state), timeout=1.0)
         pool = partial(SharedPool, redis=redis)
+        key_limits = SharedKeyLimits(redis)
+    _check_serving_tls(args.ssl_certfile, args.ssl_keyfile)
+    tls = None
+    if args.engine_ca or args.engine_cert or args.engine_key:
+        tls = engine_tls(args.engine_ca, args.engine_cert, args.engine_key)
     return Router(
         fleet=Fleet(
             prefill,
@@ -405,6 +429,8 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
             max_response_bytes=args.max_response_bytes,
+            api_key=args.engine_api_key,
+            tls=tls,
         ),
         settings=Settings(
             queue_timeout=args.queue_timeout,
@@ -412,8 +438,23 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
             max_local_prefill=args.max_local_prefill,
         ),
         discovery=discovery,
+        keys=None if args.api_keys_file is None else KeyFile(args.api_keys_file),
+        key_limits=key_limits,
         mark=mark or hops.new_mark(),
     )
+
+
+def _check_serving_tls(certfile: str | None, keyfile: str | None) -> None:
+    """Refused at start, in one line, rather than by uvicorn in each worker."""
+    if certfile is None:
+        if keyfile is not None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"--ssl-certfile {certfile}: {reason}") from None
 
 
 def refuse_own_address(
@@ -442,9 +483,10 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         # uvicorn names the address only of sockets it bound itself; this line is also the
         # one that tells which port --port 0 got.
+        scheme = "https" if self.config.is_ssl else "http"
         for sock in sockets or ():
             host, port = sock.getsockname()[:2]
-            log.info("listening on http://%s", address(host, port))
+            log.info("listening on %s://%s", scheme, address(host, port))
 
     async def _serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -551,6 +593,8 @@ def _serve(
         # The app fails what still runs at --shutdown-timeout; a client that does not read
         # its stream would still hold uvicorn, which waits for every connection to close.
         timeout_graceful_shutdown=args.shutdown_timeout + LINGER,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
     )
     _settle_heap()
     _Server(config, router).run(sockets=[sock])

@@ -21,7 +21,8 @@ class RouterProcess(fleet.RouterProcess):
     """The router as its CLI runs it, with what the tests read from it."""
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:  # nosec B310
+        url = f"{self.url}/metrics"
+        with urllib.request.urlopen(url, timeout=5, context=self.tls) as response:  # nosec B310
             text = response.read().decode()
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):

@@ -613,6 +613,9 @@ def test_help_shows_each_default_and_unit() -> None:
     assert entries["--access-log, --no-access-log"].endswith("(default: off)")
     unset = {"-h, --help", "--version", "--admin-token TOKEN", "--config FILE", "--state URL"}
     unset |= {"--dns-server HOST:PORT", "--otlp-traces-endpoint URL"}
+    unset |= {"--api-keys-file FILE", "--engine-api-key KEY"}
+    unset |= {"--ssl-certfile FILE", "--ssl-keyfile FILE", "--engine-ca FILE"}
+    unset |= {"--engine-cert FILE", "--engine-key FILE"}
     missing = [
         invocation
         for invocation, text in entries.items()

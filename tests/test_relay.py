@@ -113,7 +113,9 @@ class Client:
 
 
 def outcomes(router: Router) -> dict[tuple[str, str], int]:
-    return {key: count for key, count in router.telemetry.outcomes.items() if count}
+    """By endpoint and outcome (these requests carry no client key)."""
+    counts = router.telemetry.outcomes.items()
+    return {(endpoint, outcome): n for (endpoint, outcome, _), n in counts if n}
 
 
 def make_router(

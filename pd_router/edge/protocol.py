@@ -261,7 +261,10 @@ class ClientProtocol(HttpToolsProtocol):
             # The app's receive() says http.disconnect now, not after the linger.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-        self.transport.write_eof()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        # Over TLS there is no half-close: the answer is sent, what follows read and dropped,
+        # and the connection closed after the linger all the same.
         self.flow.resume_reading()
         self._unwatch()
         self._timer = self.loop.call_later(LINGER, self.transport.close)

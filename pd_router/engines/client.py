@@ -28,6 +28,7 @@ from pd_router.engines.connection import (
     EngineConnection,
     ProtocolViolation,
     ReadTimeout,
+    TlsRefused,
 )
 from pd_router.errors import Evidence, LoopDetected, UpstreamError, engine_message
 from pd_router.fleet.nodes import Failure
@@ -50,6 +51,8 @@ _LOST = (ConnectionLost, ProtocolViolation, ReadTimeout, OSError)
 _LOCAL_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # A probe that got no answer in time: the one failure the router's own lag can explain.
 PROBE_TIMEOUT = "probe timeout"
+# An engine's answers that refuse the router's own credentials (--engine-api-key).
+REFUSED = (401, 403)
 
 
 Origin = tuple[str, int, bool]  # host, port, TLS
@@ -132,7 +135,7 @@ class Response:
                     return b"".join(parts), False
                 parts.append(data)
         except _LOST as exc:
-            raise _failure(f"{self.url}: connection lost", exc) from None
+            raise _failure(self.url, "connection lost", exc) from None
         return b"".join(parts), True
 
     async def next_chunk(self) -> bytes:
@@ -142,7 +145,7 @@ class Response:
         try:
             return await self._conn.next_body(self._read_timeout)
         except _LOST as exc:
-            raise _failure(f"{self.url}: stream broken", exc) from None
+            raise _failure(self.url, "stream broken", exc) from None
 
     async def error(self) -> UpstreamError:
         """The engine's non-200 answer as an error carrying its status and message.
@@ -160,6 +163,11 @@ class Response:
             # What a router answers when it sees its own mark come back.
             kind, code = "loop", LoopDetected.code
         message = f"{self.url}: {_message(self.url, self.status, raw)}"
+        if self.status in REFUSED:
+            # Told apart from the client's own 401 (invalid_api_key): the router's key is
+            # the one refused, and no client can fix that.
+            message += " (the engine refused the router's credentials: see --engine-api-key)"
+            code = "engine_unauthorized"
         return UpstreamError(message, status=self.status, code=code, kind=kind)
 
 
@@ -172,6 +180,38 @@ def _message(url: str, status: int, raw: bytes) -> str:
     return f"HTTP {status}"
 
 
+def engine_tls(
+    ca: str | None = None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
+    """The TLS context for ``https://`` engines: the system's CAs, or ``ca`` (a PEM file of
+    the private CA the engines' certificates come from); ``cert`` and ``key``: the router's
+    client certificate, for engines that require one. ``ValueError`` names the file that
+    cannot be used."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--engine-ca {ca}: {_describe(exc)}") from None
+    if cert is not None:
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            where = cert if key is None else f"{cert} / --engine-key {key}"
+            raise ValueError(f"--engine-cert {where}: {_describe(exc)}") from None
+    elif key is not None:
+        raise ValueError("--engine-key needs --engine-cert (the certificate it goes with)")
+    return context
+
+
+def auth_header(api_key: str | None) -> bytes:
+    """The header every engine request carries with ``--engine-api-key``; ``ValueError``
+    for a key that cannot be a header value (the message does not repeat it)."""
+    if api_key is None:
+        return b""
+    if not api_key or not api_key.isascii() or not api_key.isprintable() or " " in api_key:
+        raise ValueError("--engine-api-key must be printable ASCII with no spaces")
+    return b"authorization: Bearer " + api_key.encode("ascii") + b"\r\n"
+
+
 class Upstream:
     def __init__(
         self,
@@ -179,13 +219,20 @@ class Upstream:
         connect_timeout: float,
         read_timeout: float,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        api_key: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_response_bytes = max_response_bytes
         # Per origin, idle connections, most recently used last (a dict is an ordered set).
         self._idle: dict[Origin, dict[EngineConnection, None]] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
+        # Only the router's credentials go to an engine: requests are written here from
+        # scratch, and no header of a client's is ever copied into one.
+        self._auth = auth_header(api_key)
+        # Health URLs refusing the router's credentials now: warned about once, not per probe.
+        self._refusing: set[str] = set()
         # The router's mark (``edge/hops.py``; set by ``relay.Router``), sent with every probe
         # and model read too, so that a router that is its own node answers them 508.
         self.mark = b""
@@ -219,6 +266,8 @@ class Upstream:
             return Failure(PROBE_TIMEOUT, message, Evidence.SOFT)
         except UpstreamError as error:
             message = f"health check failed: {error.message}"
+            if error.kind == "tls":
+                return Failure("probe tls", message, Evidence.SOFT)
             if error.kind == "unreachable":
                 return Failure("probe refused", message, Evidence.HARD)
             if error.kind in ("broken_stream", "protocol"):
@@ -226,11 +275,30 @@ class Upstream:
             kind = PROBE_TIMEOUT if error.undelivered else "probe error"
             return Failure(kind, message, Evidence.SOFT)
         if response.status == 200:
+            self._refusing.discard(url)
+            return None
+        if response.status in REFUSED:
+            self._refused(url, f"{url}: answered HTTP {response.status}")
             return None
         if response.status == LoopDetected.status:
             message = "health check answered 508: the node is this router, not an engine"
             return Failure("loop", message, Evidence.FATAL)
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
+
+    def _refused(self, url: str, message: str) -> None:
+        """A probe refused for the router's credentials (401 or 403: vLLM asks none for
+        /health, a proxy in front may) was answered by a server that is up: the engine's
+        health is not in question, ``--engine-api-key`` is. It counts as answered (so the
+        requests fail with that engine's own clear 401 rather than "no live node"), and is
+        said once, until the node answers 200 again."""
+        if url not in self._refusing:
+            self._refusing.add(url)
+            log.warning(
+                "%s: the engine refuses the router's credentials (--engine-api-key); not "
+                "counted against its health: %s",
+                url,
+                message,
+            )
 
     async def get_json(self, url: str, via: bytes = b"") -> Any:
         """GET ``url``'s JSON; ``via`` as for ``post`` (by default, this router's mark)."""
@@ -247,10 +315,11 @@ class Upstream:
         self, url: str, method: bytes, body: bytes = b"", headers: bytes = b""
     ) -> Response:
         where = target(url)
-        head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s" % (
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s%s" % (
             method,
             where.path,
             where.host_header,
+            self._auth,
             headers,
         )
         if body:
@@ -263,7 +332,7 @@ class Upstream:
         except BaseException as exc:
             conn.close()
             if isinstance(exc, _LOST):
-                raise _failure(f"{url}: no answer", exc) from None
+                raise _failure(url, "no answer", exc) from None
             raise
         return Response(self, conn, where.origin, status, url)
 
@@ -306,6 +375,8 @@ class Upstream:
         except TimeoutError:
             message = f"{url}: unreachable: connect timed out after {self.connect_timeout:g} s"
             raise UpstreamError(message, kind="connect_timeout") from None
+        except ssl.SSLError as exc:
+            raise tls_failure(url, exc) from None
         except OSError as exc:
             if exc.errno in _LOCAL_ERRNOS:
                 # The router's own shortage (file descriptors, buffers): nothing about the
@@ -319,7 +390,7 @@ class Upstream:
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
-            self._tls = ssl.create_default_context()
+            self._tls = engine_tls()
         return self._tls
 
 
@@ -327,8 +398,22 @@ def _via(marks: bytes) -> bytes:
     return b"x-pd-router-via: " + marks + b"\r\n" if marks else b""
 
 
-def _failure(context: str, exc: BaseException) -> UpstreamError:
-    message = f"{context}: {_describe(exc)}"
+def tls_failure(url: str, exc: ssl.SSLError | TlsRefused) -> UpstreamError:
+    """A TLS handshake that failed, one way or the other: the engine's certificate not
+    trusted (``--engine-ca``), or the router's refused or missing (``--engine-cert``)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        reason = f"the engine's certificate is not trusted: {exc.verify_message}"
+    else:
+        reason = getattr(exc, "reason", None) or _describe(exc)
+    message = f"{url}: TLS handshake failed: {reason} (see --engine-ca, --engine-cert)"
+    return UpstreamError(message, kind="tls")
+
+
+def _failure(url: str, what: str, exc: BaseException) -> UpstreamError:
+    if isinstance(exc, ssl.SSLError | TlsRefused):
+        # After the handshake: TLS 1.3 refuses a client certificate only then.
+        return tls_failure(url, exc)
+    message = f"{url}: {what}: {_describe(exc)}"
     if isinstance(exc, TimeoutError):
         # The request's own outcome (504), not a verdict on the engine: a long answer is
         # not a failure, and a hung engine is the stall watch's to find.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable
 from typing import cast
 
@@ -36,6 +37,12 @@ class ConnectionLost(ConnectionError):
 
 class ReadTimeout(TimeoutError):
     pass
+
+
+class TlsRefused(ConnectionLost):
+    """A new TLS connection the engine closed before answering its first request: what a
+    server requiring a client certificate does when it got none it accepts (uvicorn, and
+    so vLLM, closes without a TLS alert the client could read)."""
 
 
 class ProtocolViolation(ValueError):
@@ -79,6 +86,9 @@ class EngineConnection(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self.error: BaseException | None = None
+        self._tls = False
+        # Some answer's head arrived on this connection: the engine took it.
+        self._answered = False
         # Set by the pool while the connection is idle in it: called if the peer closes.
         self.idle_since = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -89,6 +99,7 @@ class EngineConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        self._tls = transport.get_extra_info("ssl_object") is not None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Small SSE events must not wait for the peer's delayed ACK (Nagle).
@@ -122,8 +133,16 @@ class EngineConnection(asyncio.Protocol):
         if exc is None and self.head_done and not self.complete and not self._framed:
             self.complete = True  # an unframed body ends when the peer closes (not resets)
         if self.error is None and not self.complete:
-            detail = f": {exc}" if exc is not None else ""
-            self.error = ConnectionLost(f"connection closed by the engine{detail}")
+            if isinstance(exc, ssl.SSLError):
+                self.error = exc  # the engine refused the router's TLS: said as such
+            elif self._tls and not self._answered and not self.head_done:
+                self.error = TlsRefused(
+                    "the engine closed a new TLS connection without answering: it requires "
+                    "a client certificate the router did not give, or does not accept it"
+                )
+            else:
+                detail = f": {exc}" if exc is not None else ""
+                self.error = ConnectionLost(f"connection closed by the engine{detail}")
         self._keep_alive = False
         self._wake()
         if self.on_lost is not None:
@@ -143,7 +162,7 @@ class EngineConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
-        self.head_done = True
+        self.head_done = self._answered = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:

@@ -10,9 +10,10 @@ state follows from it by the rules below. Slow is not dead: two verdicts, two co
   in-flight requests, gets no new ones. ``dead``: picked by nothing; its requests have been
   failed, except the one that found it dead, which handles its own error.
 * Evidence decides which. *Soft* failures (a probe that timed out or answered non-200, a
-  5xx answer, a connect timeout) make a node unhealthy after ``unhealthy_after`` in a row,
-  never dead. *Hard* failures (the engine reset or broke a connection, sent invalid HTTP,
-  or refused a probe) make it dead after ``unhealthy_after`` in a row; a real request
+  5xx answer, a connect timeout, a failed TLS handshake) make a node unhealthy after
+  ``unhealthy_after`` in a row, never dead. *Hard* failures (the engine reset or broke a
+  connection, sent invalid HTTP, or refused a probe) make it dead after
+  ``unhealthy_after`` in a row; a real request
   refused (*fatal*) makes it dead at once. A request timeout is the request's own outcome
   and no failure of the node's; neither is a 4xx answer, a client hang-up or a request the
   router cancelled.

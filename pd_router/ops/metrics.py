@@ -4,7 +4,8 @@ Everything is plain integers and floats kept by the request path (outcomes, upst
 errors, slots, node states, the four latency histograms' buckets) and turned into metric
 families by one collector at scrape time: a request pays a ``bisect`` and an increment per
 histogram, not prometheus-client's locks and per-bucket loop. Nothing is done per chunk.
-Labels are bounded: endpoint, outcome, node id/url/role, error kind; never a request id.
+Labels are bounded: endpoint, outcome, node id/url/role, error kind, the names of the
+client keys the file has held; never a request id, never a key.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ OUTCOMES = (
     "stalled",
     "state_unavailable",
     "internal_error",
+    "unauthorized",
+    "rate_limited",
 )
 
 # Seconds: from sub-millisecond router overhead to multi-minute generations.
@@ -90,9 +93,16 @@ def _bound(seconds: float) -> str:
 
 
 class Telemetry:
-    def __init__(self, fleet: Fleet, discovery: Discovery | None = None) -> None:
+    def __init__(
+        self, fleet: Fleet, discovery: Discovery | None = None, *, keys: bool = False
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.outcomes: dict[tuple[str, str], int] = {(e, o): 0 for e in PATHS for o in OUTCOMES}
+        # (endpoint, outcome, key name): the key is "" without --api-keys-file (and for a
+        # request with no valid key), and a label of its own only with it.
+        self.outcomes: dict[tuple[str, str, str], int] = {
+            (e, o, ""): 0 for e in PATHS for o in OUTCOMES
+        }
+        self.keys = keys
         self.upstream_errors: dict[tuple[Node, str], int] = {}
         # (policy, "hit" or "miss"): prefill picks, by whether the prefix went where it
         # went last time.
@@ -123,8 +133,8 @@ class Telemetry:
     def histograms(self) -> tuple[Histogram, ...]:
         return (self.queue_wait, self.prefill, self.ttft, self.duration)
 
-    def count(self, endpoint: str, outcome: str) -> None:
-        key = (endpoint, outcome)
+    def count(self, endpoint: str, outcome: str, key_name: str = "") -> None:
+        key = (endpoint, outcome, key_name)
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def upstream_error(self, node: Node, kind: str) -> None:
@@ -158,13 +168,15 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fleet = self._fleet
         pool = fleet.pool
+        keys = self._telemetry.keys
         requests = CounterMetricFamily(
             "pd_router_requests",
-            "Requests finished, by endpoint and outcome.",
-            labels=["endpoint", "outcome"],
+            "Requests finished, by endpoint and outcome"
+            + (" and client key name (--api-keys-file)." if keys else "."),
+            labels=["endpoint", "outcome", "key"] if keys else ["endpoint", "outcome"],
         )
-        for (endpoint, outcome), count in sorted(self._telemetry.outcomes.items()):
-            requests.add_metric([endpoint, outcome], count)
+        for (endpoint, outcome, key), count in sorted(self._telemetry.outcomes.items()):
+            requests.add_metric([endpoint, outcome, key] if keys else [endpoint, outcome], count)
         yield requests
         errors = CounterMetricFamily(
             "pd_router_upstream_errors",

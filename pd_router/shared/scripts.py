@@ -603,3 +603,47 @@ return 1
 """
 
 FLEET_CHANNEL = "{pdr}:fleet"
+
+# ---------------------------------------------------------------- client keys (shared/keys.py)
+#
+# * ``{pdr}:keys:R``       hash: key name -> requests router R has in flight for it, written
+#   whole by R at each of its calls, expiring with R's lease
+# * ``{pdr}:key-holders``  sorted set: routers holding some, scored by when their lease ends
+
+# ARGV: router, lease ms, n, n pairs of (key name, requests held), then pairs of (key name,
+# max_in_flight) asked for, in order -> per ask 1 (counted) or 0 (at its limit).
+# The router's own counts are replaced by what it says it holds, never added to: a call
+# whose reply was lost, or a release that never arrived, is undone by the router's next call.
+KEYS_SYNC = _COMMON + """
+local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local holders, own = P .. 'key-holders', P .. 'keys:' .. router
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
+redis.call('DEL', own)
+for i = 0, n - 1 do redis.call('HSET', own, ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+local others = {}
+for _, other in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
+  if other ~= router then others[#others + 1] = P .. 'keys:' .. other end
+end
+local counted = {}
+for i = 4 + 2 * n, #ARGV, 2 do
+  local name, limit = ARGV[i], tonumber(ARGV[i + 1])
+  local total = tonumber(redis.call('HGET', own, name) or '0')
+  for _, key in ipairs(others) do
+    total = total + tonumber(redis.call('HGET', key, name) or '0')
+  end
+  if total < limit then
+    redis.call('HINCRBY', own, name, 1)
+    counted[#counted + 1] = 1
+  else
+    counted[#counted + 1] = 0
+  end
+end
+if redis.call('EXISTS', own) == 1 then
+  redis.call('PEXPIRE', own, lease)
+  redis.call('ZADD', holders, now + lease, router)
+else
+  redis.call('ZREM', holders, router)
+end
+return counted
+"""

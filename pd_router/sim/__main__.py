@@ -80,6 +80,33 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="seconds of compute per prompt token not in the prefix cache (decode: for a "
         "local prefill, with --standalone)",
     )
+    # As vLLM's: /v1/* need 'Authorization: Bearer KEY'; /health and the KV pull do not.
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every /v1/ request needs 'Authorization: Bearer KEY', as vLLM's --api-key "
+        "(default: none needed)",
+    )
+    parser.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        help="serve HTTPS with this certificate (default: plain HTTP)",
+    )
+    parser.add_argument(
+        "--ssl-keyfile", metavar="FILE", help="the key of --ssl-certfile (default: in that file)"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        help="CA of the client certificates to accept (default: the system's)",
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="client certificates: 0 not asked, 1 optional, 2 required (ssl.CERT_*; default: 0)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +224,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
             max_model_len=args.max_model_len,
             kv_lease=args.kv_lease,
             kv_events_port=args.kv_events_port,
+            api_key=args.api_key,
         )
         return PrefillEngine(settings, config)
     from pd_router.sim.decode import DecodeEngine
@@ -217,6 +245,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         slots=args.slots,
         standalone=args.standalone,
         name_prefill=args.name_prefill,
+        api_key=args.api_key,
     )
     return DecodeEngine(settings, config)
 
@@ -239,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_keep_alive=30,
         # Stop promptly on SIGTERM even with streams still open.
         timeout_graceful_shutdown=1,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     # uvicorn.Config has just configured logging; filters added now stay in place.
     logging.getLogger("uvicorn.error").addFilter(CrashLogFilter())

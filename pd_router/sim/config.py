@@ -29,6 +29,8 @@ class EngineSettings:
     name_prefill: bool = False
     # Publish KV cache events on this port (vLLM's ZMQ wire format); None: no events.
     kv_events_port: int | None = None
+    # As vLLM's --api-key: every /v1/ request must carry 'Authorization: Bearer <key>'.
+    api_key: str | None = None
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SimConfig:
     ``[DONE]`` (non-streaming: after generating that many tokens, mid-body); prefill cuts
     its response body whenever it is set, and pins nothing.
     ``fail_status``: answer every generation request with this status and an OpenAI error.
+    ``health_status``: ``/health`` answers this error status (a proxy in front refusing it).
     ``prefill_delay`` + ``prefill_per_token`` x the prompt tokens not in the prefix cache:
     how long a prefill computes.
     ``health_delay``: ``/health`` answers only after this long (a busy engine).
@@ -58,6 +61,7 @@ class SimConfig:
     default_max_tokens: int = 16
     fail_after_tokens: int | None = None
     fail_status: int | None = None
+    health_status: int | None = None
     fail_message: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -101,7 +105,7 @@ def _validate(key: str, value: object) -> object:
         if value is not None and _count(value) is None:
             raise ApiError(f"{key} must be a non-negative integer or null", key)
         return value
-    if key == "fail_status":
+    if key in ("fail_status", "health_status"):
         status = _count(value)
         if value is not None and (status is None or not 400 <= status <= 599):
             raise ApiError(f"{key} must be an HTTP error status (400-599) or null", key)

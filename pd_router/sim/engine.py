@@ -52,6 +52,8 @@ class Counters:
     cached_tokens: int = 0
     # GET /v1/models answered (or begun): what a router's model reads cost the engine.
     models_requests: int = 0
+    # /v1/ requests refused for their Authorization (--api-key).
+    unauthorized: int = 0
 
 
 @dataclass
@@ -147,6 +149,11 @@ class Engine:
         if scope["type"] != "http":
             return
         exchange = Exchange(scope, receive, send)
+        if not self._authorized(exchange):
+            # vLLM's own answer (its AuthenticationMiddleware), body and all.
+            self.counters.unauthorized += 1
+            await exchange.respond(401, {"error": "Unauthorized"})
+            return
         self.maintain()
         handler = self._routes.get((exchange.method, exchange.path))
         try:
@@ -159,6 +166,15 @@ class Engine:
         except ApiError as exc:
             if not exchange.started:
                 await exchange.respond_error(exc.status, exc.message, exc.param)
+
+    def _authorized(self, exchange: Exchange) -> bool:
+        """Every ``Authorization`` header of a /v1/ request must be the key (stricter than
+        vLLM, which reads the first): a second one, a client's, would be refused."""
+        key = self.settings.api_key
+        if key is None or not exchange.path.startswith("/v1/"):
+            return True
+        given = [value for name, value in exchange.scope["headers"] if name == b"authorization"]
+        return bool(given) and all(value == b"Bearer " + key.encode() for value in given)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -290,6 +306,8 @@ class Engine:
 
     async def _health(self, exchange: Exchange) -> None:
         await anyio.sleep(self.config.health_delay)
+        if self.config.health_status is not None:
+            raise ApiError("health check refused", status=self.config.health_status)
         await exchange.respond(200, {"status": "ok"})
 
     async def _models(self, exchange: Exchange) -> None:

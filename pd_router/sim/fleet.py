@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess  # nosec B404
 import sys
 import tempfile
@@ -43,6 +44,8 @@ class ServerProcess:
     """
 
     name = "server"
+    # Set for a server that speaks HTTPS: how to reach it (its CA, a client certificate).
+    tls: ssl.SSLContext | None = None
 
     def __init__(
         self,
@@ -66,7 +69,8 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{_HOST}:{self.port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://{_HOST}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -128,7 +132,8 @@ class ServerProcess:
                     f"{self.name} exited with {code} before it was healthy:\n{self.log()}"
                 )
             try:
-                with _open("GET", f"{self.url}/health", None, timeout=1.0) as response:
+                health = f"{self.url}/health"
+                with _open("GET", health, None, timeout=1.0, context=self.tls) as response:
                     if response.status == 200:
                         return
             except (OSError, urllib.error.URLError):
@@ -232,15 +237,15 @@ class EngineProcess(ServerProcess):
         ]
 
     def stats(self) -> dict[str, Any]:
-        return _call("GET", f"{self.url}/sim/stats")
+        return _call("GET", f"{self.url}/sim/stats", context=self.tls)
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """POST /sim/config; returns the engine's whole config afterwards."""
-        return _call("POST", f"{self.url}/sim/config", changes)
+        return _call("POST", f"{self.url}/sim/config", changes, context=self.tls)
 
     def reset(self) -> dict[str, Any]:
         """Zero the counters and forget request ids; pinned blocks stay."""
-        return _call("POST", f"{self.url}/sim/reset", {})
+        return _call("POST", f"{self.url}/sim/reset", {}, context=self.tls)
 
 
 class RouterProcess(ServerProcess):
@@ -322,18 +327,30 @@ class SimFleet:
         self.stop()
 
 
-def _open(method: str, url: str, payload: object, timeout: float) -> Any:
+def _open(
+    method: str,
+    url: str,
+    payload: object,
+    timeout: float,
+    context: ssl.SSLContext | None = None,
+) -> Any:
     data = json.dumps(payload).encode() if payload is not None else None
     request = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         request.add_header("content-type", "application/json")
-    # Only ever http://127.0.0.1 URLs built above.
-    return urllib.request.urlopen(request, timeout=timeout)  # nosec B310
+    # Only ever http(s)://127.0.0.1 URLs built above.
+    return urllib.request.urlopen(request, timeout=timeout, context=context)  # nosec B310
 
 
-def _call(method: str, url: str, payload: object = None, timeout: float = 10.0) -> dict[str, Any]:
+def _call(
+    method: str,
+    url: str,
+    payload: object = None,
+    timeout: float = 10.0,
+    context: ssl.SSLContext | None = None,
+) -> dict[str, Any]:
     try:
-        with _open(method, url, payload, timeout) as response:
+        with _open(method, url, payload, timeout, context) as response:
             result: dict[str, Any] = json.loads(response.read())
             return result
     except urllib.error.HTTPError as exc:

@@ -585,17 +585,19 @@ async def test_an_https_engine_is_verified_by_the_ca_in_ssl_cert_file(
     assert request.header(b"host") == f"{HOST}:{engine.port}".encode()
 
 
-async def test_an_https_engine_with_a_certificate_nobody_trusts_is_unreachable(
+async def test_an_https_engine_with_a_certificate_nobody_trusts_is_a_tls_failure(
     engine_ca: trustme.CA,
 ) -> None:
+    """Soft evidence (the router's trust may be what is wrong), not unreachable (fatal)."""
+
     async def handler(conn: Conn) -> None:
         await conn.request()
 
     async with scripted_engine(handler, tls_for(engine_ca)) as engine, engine_client() as client:
         with pytest.raises(UpstreamError) as caught:
             await client.post(engine.url + "/v1/completions", {}, "r")
-    assert caught.value.kind == "unreachable"
-    assert "CERTIFICATE_VERIFY_FAILED" in caught.value.message
+    assert caught.value.kind == "tls"
+    assert "TLS handshake failed: the engine's certificate is not trusted" in (caught.value.message)
 
 
 async def test_connection_refused_is_unreachable() -> None:

@@ -7,7 +7,8 @@ it takes 1-2 minutes (plus ~3 min the very first time, to install the vLLM venv)
 that use it get a ``pytest.mark.timeout(900)`` unless they carry their own timeout marker:
 pytest-timeout counts fixture set-up against the first test that requests the fixture.
 
-The engines run with ``--block-size 32`` (the CPU default is 128): prefix caching works on
+The engines run with ``--api-key ENGINE_API_KEY`` and ``--block-size 32`` (the CPU
+default is 128): prefix caching works on
 full blocks only, and 32 makes ``cached_tokens`` observable with prompts of a few hundred
 tokens. The KV lease and the HTTP keep-alive are raised (see ``KV_LEASE`` and
 ``ENGINE_KEEP_ALIVE``) so that the machine's stalls do not fail the tests.
@@ -49,6 +50,10 @@ KV_LEASE = 300
 # connections after 4 s, before the engine does; a long stall of this machine could still
 # let the engine close one the router is about to reuse, so the engines wait longer here.
 ENGINE_KEEP_ALIVE = 75
+# The pair runs with vLLM's --api-key, so every /v1/ request needs it (its /health and
+# /metrics do not): the routers of the suite send it with --engine-api-key, and one test
+# shows what a wrong one does. It costs no engine start of its own.
+ENGINE_API_KEY = "pd-router-suite-engine-key"
 BREAKS_PAIR = "breaks_vllm_pair"
 # The test that meets the pair's first NIXL handshake: it runs before every other one.
 FIRST_ON_PAIR = "first_on_vllm_pair"
@@ -135,7 +140,7 @@ def vllm_pair(
     spare = any(SECOND_PREFILL in getattr(i, "fixturenames", ()) for i in request.session.items)
     with VllmPair(
         tmp_path_factory.mktemp("vllm-pair"),
-        extra_args=["--block-size", str(BLOCK_SIZE)],
+        extra_args=["--block-size", str(BLOCK_SIZE), "--api-key", ENGINE_API_KEY],
         kv_extra_config={"kv_lease_duration": KV_LEASE},
         extra_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE)},
         spare_prefills=int(spare),

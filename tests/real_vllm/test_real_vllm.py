@@ -45,7 +45,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import RawClient, RouterProcess, wait_for
-from tests.real_vllm.conftest import BLOCK_SIZE, KV_LEASE
+from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY, KV_LEASE
 from tests.real_vllm.engines import VllmPair, decode_body, http_get, prefill_body
 
 pytestmark = pytest.mark.real_vllm
@@ -281,16 +281,17 @@ async def ask_async(
 
 
 def client_for(url: str) -> openai.OpenAI:
+    """A client of the router or, with the engines' key, straight of an engine (the router
+    has no --api-keys-file here: it ignores the key, and never passes it on)."""
     return openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT
+        base_url=f"{url}/v1", api_key=ENGINE_API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT
     )
 
 
 def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """Straight to an engine, bypassing the router."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ENGINE_API_KEY}"}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=CLIENT_TIMEOUT) as response:  # nosec B310
         answer: dict[str, Any] = json.loads(response.read())
     return answer
@@ -326,6 +327,7 @@ def router_for(
         "--health-timeout", "60",
         "--stall-timeout", "120",
         "--handoff-grace", str(HANDOFF_GRACE),
+        "--engine-api-key", ENGINE_API_KEY,
         *args,
     )  # fmt: skip
     router.start()
@@ -387,7 +389,8 @@ def test_the_first_request_after_the_pair_starts_succeeds_with_default_flags(
     requests. (Several requests at once during and just after the handshake twice left a
     request's KV on the prefill engine until its lease ran out, which showed in a later
     test's expiry counter: a vLLM matter, kept out of this suite.)"""
-    with RouterProcess([vllm_pair.prefill_url], [vllm_pair.decode_url]) as router:
+    engine_key = ("--engine-api-key", ENGINE_API_KEY)
+    with RouterProcess([vllm_pair.prefill_url], [vllm_pair.decode_url], *engine_key) as router:
         first = ask(client_for(router.url), "completions", prompt("cold-first"), 8)
         assert len(first.token_ids) == 8 and first.finish_reason == "length"
         assert outcomes(router, "ok") == 1
@@ -493,7 +496,7 @@ def test_sixteen_concurrent_requests_each_get_their_own_continuation(
 
     async def all_at_once(url: str, stream: bool | None = None) -> list[Answer]:
         client = openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT
+            base_url=f"{url}/v1", api_key=ENGINE_API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT
         )
         try:
             return await asyncio.gather(
@@ -803,6 +806,47 @@ def test_a_short_prompt_with_max_local_prefill_is_answered_by_the_decode_engine_
 
 # --------------------------------------------------------------------------------------
 # 7: the prefill engine dies (last: the pair stays broken)
+# --------------------------------------------------------------------------------------
+# The engines' --api-key: every test above went through with the right key; a wrong one
+# is the engine's 401, named as the engine's, and no node is held to blame
+# --------------------------------------------------------------------------------------
+
+
+def test_a_wrong_engine_key_is_the_engines_401_and_kills_no_node(vllm_pair: VllmPair) -> None:
+    token = "suite-admin"
+    with router_for(
+        vllm_pair,
+        [vllm_pair.prefill_url],
+        "--engine-api-key", "not-the-engines-key",
+        "--admin-token", token,
+        "--health-interval", "0.5",
+        "--unhealthy-after", "2",
+        log_name="router-wrong-key.log",
+    ) as router:  # fmt: skip
+        # The client's own header carries the engines' real key: the router never passes
+        # a client's Authorization on, so the engine sees only the router's wrong one.
+        client = client_for(router.url)
+        for endpoint, stream in [("completions", False), ("chat", True), ("completions", True)]:
+            with pytest.raises(openai.AuthenticationError) as refused:
+                ask(client, endpoint, prompt("wrong-key"), max_tokens=2, stream=stream)
+            error = refused.value
+            assert error.status_code == 401
+            assert error.type == "upstream_error" and error.code == "engine_unauthorized"
+            assert f"prefill engine {vllm_pair.prefill_url}/v1/" in error.message, error.message
+            assert "--engine-api-key" in error.message
+        # Past --unhealthy-after refusals, and a few probe rounds: no node is unwell.
+        time.sleep(2.0)
+        request = urllib.request.Request(
+            f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:  # nosec B310
+            nodes = json.loads(response.read())["nodes"]
+        assert {node["state"] for node in nodes} == {"serving"}, nodes
+        assert "is dead" not in router.log()
+        assert outcomes(router, "prefill_error") == 3
+        router.assert_idle()
+
+
 # --------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,122 @@
+"""Requests in flight per client key across every router on one Redis (``--state``).
+
+Each router keeps its own counts (``fleet/keys.py``) and is the only writer of its hash in
+Redis, which it replaces whole at every call, under its lease: the fleet's count of a key
+is the sum over the routers whose lease runs (``scripts.KEYS_SYNC``). So counts heal by
+themselves from the faults a shared counter suffers:
+
+* a call that timed out yet ran (its reply lost): the caller was refused (503) and counted
+  nothing here; the router's next call writes its true counts over Redis's;
+* a release lost with Redis away: the same; the next call (a release sends one, and a
+  router holding anything sends one every third of its lease) corrects it;
+* a router killed or cut off: its hash expires with its lease, and with it its requests.
+
+All of a router's calls go through one worker, one at a time, each carrying every request
+asking to enter since the last one: a burst costs a round trip, not one per request, and
+no two calls of one router can reach Redis in the wrong order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pd_router.errors import StateUnavailable
+from pd_router.fleet.keys import KeyLimits, refused
+from pd_router.shared import scripts
+from pd_router.shared.pool import LEASE
+from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, Script
+
+log = logging.getLogger("pd_router.shared_keys")
+
+_SYNC = Script(scripts.KEYS_SYNC)
+
+
+class _Ask:
+    __slots__ = ("name", "limit", "done", "counted", "error")
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.name = name
+        self.limit = limit
+        self.done = anyio.Event()
+        self.counted = False
+        self.error: StateUnavailable | None = None
+
+
+# An ask, or None: "my counts changed, tell Redis" (a release).
+_Job = _Ask | None
+
+
+class SharedKeyLimits(KeyLimits):
+    def __init__(self, redis: Redis, lease: float = LEASE) -> None:
+        super().__init__()
+        self.redis = redis
+        self.lease = lease
+        self.router_id = secrets.token_hex(8)
+        jobs: tuple[MemoryObjectSendStream[_Job], MemoryObjectReceiveStream[_Job]]
+        jobs = anyio.create_memory_object_stream(math.inf)
+        self._jobs, self._pending = jobs
+
+    def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        return [("the shared key counts", self._work)]
+
+    async def enter(self, name: str, limit: int) -> None:
+        ask = _Ask(name, limit)
+        self._jobs.send_nowait(ask)
+        # Shielded: a count taken for a request that is not told so would never be
+        # released here (the next call would still heal Redis, but not this router).
+        with anyio.CancelScope(shield=True):
+            await ask.done.wait()
+        if ask.error is not None:
+            raise ask.error
+        if not ask.counted:
+            raise refused(limit)
+
+    def leave(self, name: str) -> None:
+        super().leave(name)
+        self._jobs.send_nowait(None)
+
+    async def _work(self) -> None:
+        while True:
+            batch: list[_Job] = []
+            # A router holding requests renews its lease on them even when nothing moves.
+            with anyio.move_on_after(self.lease / 3 if self.in_flight else math.inf):
+                batch.append(await self._pending.receive())
+            while True:
+                try:
+                    batch.append(self._pending.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            asks = [job for job in batch if job is not None]
+            failed = False
+            try:
+                await self._sync(asks)
+            except StateUnavailable as exc:
+                failed = True
+                for ask in asks:
+                    ask.error = exc
+            for ask in asks:
+                ask.done.set()
+            if failed and None in batch:
+                # Redis still counts what was released here: tell it again soon.
+                await anyio.sleep(RETRY)
+                self._jobs.send_nowait(None)
+
+    async def _sync(self, asks: list[_Ask]) -> None:
+        held = [item for name, count in self.in_flight.items() for item in (name, str(count))]
+        args = [self.router_id, str(int(self.lease * 1000)), str(len(held) // 2), *held]
+        for ask in asks:
+            args += [ask.name, str(ask.limit)]
+        try:
+            reply = await _SYNC.run(self.redis, (), args)
+        except (RedisUnavailable, RedisError) as exc:
+            raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        for ask, counted in zip(asks, reply, strict=True):
+            if counted:
+                ask.counted = True
+                self.in_flight[ask.name] = self.in_flight.get(ask.name, 0) + 1

@@ -1,0 +1,122 @@
+"""Per-key requests in flight across routers (``shared/keys.py``) on a real redis-server:
+several "routers" (one ``SharedKeyLimits`` each) in one event loop, under asyncio and trio.
+
+The fleet's count of a key is the sum of the routers' own counts, each written whole at
+every call under the router's lease, so the faults of a shared counter heal: a call whose
+reply was lost, a router that died holding requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from pd_router.errors import RateLimited, StateUnavailable
+from pd_router.shared import keys
+from pd_router.shared.keys import SharedKeyLimits
+from pd_router.shared.redis import Redis, parse_url
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def router(server: RedisServer, lease: float = 10.0) -> AsyncIterator[SharedKeyLimits]:
+    limits = SharedKeyLimits(Redis(parse_url(server.url), timeout=1.0), lease)
+    async with anyio.create_task_group() as tg:
+        for _, work in limits.background():
+            tg.start_soon(work)
+        try:
+            yield limits
+        finally:
+            tg.cancel_scope.cancel()
+    await limits.redis.aclose()
+
+
+async def until(check: Callable[[], bool], seconds: float = 10.0) -> None:
+    with anyio.fail_after(seconds):
+        while not check():
+            await anyio.sleep(0.01)
+
+
+async def admitted(limits: SharedKeyLimits, name: str, limit: int) -> bool:
+    """One request of ``name`` enters and leaves at once: was it let in?"""
+    try:
+        await limits.enter(name, limit)
+    except RateLimited:
+        return False
+    limits.leave(name)
+    return True
+
+
+async def eventually_admitted(limits: SharedKeyLimits, name: str, limit: int) -> None:
+    with anyio.fail_after(15):
+        while not await admitted(limits, name, limit):
+            await anyio.sleep(0.05)
+
+
+async def test_a_keys_limit_is_the_fleets(redis: Redis, redis_server: RedisServer) -> None:
+    async with router(redis_server) as first, router(redis_server) as second:
+        await first.enter("carol", 2)
+        await second.enter("carol", 2)
+        for limits in (first, second):
+            with pytest.raises(RateLimited):
+                await limits.enter("carol", 2)
+        # Another key is not held back by carol's.
+        await first.enter("alice", 1)
+        first.leave("alice")
+        # A place given back on one router is another router's to take.
+        first.leave("carol")
+        await eventually_admitted(second, "carol", 2)
+        second.leave("carol")
+        assert first.in_flight == {} and second.in_flight == {}
+
+
+async def test_a_call_whose_reply_was_lost_is_undone_by_the_routers_next_call(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    async with router(redis_server) as first, router(redis_server) as second:
+        # first's call ran in Redis, but its reply never reached it (a timeout): Redis
+        # counts a request first does not know it has.
+        lost = [first.router_id, "10000", "0", "carol", "1"]
+        assert await keys._SYNC.run(redis, (), lost) == [1]
+        assert not await admitted(second, "carol", 1)
+        # first's next call, for any key, writes what it really holds.
+        assert await admitted(first, "alice", 5)
+        assert await admitted(second, "carol", 1)
+
+
+async def test_a_router_that_died_holding_requests_gives_them_back_with_its_lease(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    async with router(redis_server) as survivor:
+        async with router(redis_server, lease=1.0) as doomed:
+            await doomed.enter("carol", 1)
+        # doomed's work stopped with it: no release was sent, and no lease renewed.
+        assert not await admitted(survivor, "carol", 1)
+        await eventually_admitted(survivor, "carol", 1)
+
+
+async def test_a_router_holding_requests_renews_its_lease_on_them(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    async with router(redis_server, lease=1.0) as holder, router(redis_server) as other:
+        await holder.enter("carol", 1)
+        await anyio.sleep(2.5)  # the lease, more than twice over
+        assert not await admitted(other, "carol", 1)
+        holder.leave("carol")
+        await eventually_admitted(other, "carol", 1)
+
+
+async def test_redis_away_refuses_with_503_and_counts_nothing(redis_server: RedisServer) -> None:
+    limits = SharedKeyLimits(Redis(parse_url("redis://127.0.0.1:9"), timeout=0.5))
+    async with anyio.create_task_group() as tg:
+        for _, work in limits.background():
+            tg.start_soon(work)
+        with pytest.raises(StateUnavailable):
+            await limits.enter("carol", 1)
+        assert limits.in_flight == {}
+        tg.cancel_scope.cancel()
