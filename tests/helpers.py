@@ -78,7 +78,7 @@ class RawClient:
         self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         self.received = b""
 
-    def read_until(self, marker: bytes, timeout: float = 10.0, count: int = 1) -> bytes:
+    def read_until(self, marker: bytes, timeout: float = 60.0, count: int = 1) -> bytes:
         """What arrived by the time ``marker`` was seen ``count`` times (or the end)."""
         self.sock.settimeout(timeout)
         while self.received.count(marker) < count:

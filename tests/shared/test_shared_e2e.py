@@ -88,7 +88,7 @@ def test_waiters_on_different_routers_are_served_in_arrival_order(
     that came after it, whichever router either came through."""
     with routers(fleet, redis_server, 3, "--decode-slots", "1", "--queue-timeout", "60") as rs:
         holders = [
-            RawClient(rs[0].url, "/v1/completions", {**STREAM, "max_tokens": 5000})
+            RawClient(rs[0].url, "/v1/completions", {**STREAM, "max_tokens": 4000})
             for _ in fleet.decode
         ]
         for holder in holders:
