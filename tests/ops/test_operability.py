@@ -110,11 +110,13 @@ def test_a_queue_timeout_is_counted_as_such(fleet: SimFleet) -> None:
     prefill, decode = fleet.prefill[0], fleet.decode[0]
     with RouterProcess([prefill.url], [decode.url], "--queue-timeout", "0.3") as router:
         before = router.metrics()
-        holder = RawClient(router.url, "/v1/completions", STREAM)
+        # The holder streams for 40 s: it cannot end inside the 0.3 s a waiter waits, however
+        # late this client gets to send the waiter.
+        holder = RawClient(router.url, "/v1/completions", {**STREAM, "max_tokens": 2000})
         holder.read_until(b"data: ")
         response = httpx.post(f"{router.url}/v1/completions", json=SHORT)
         assert response.status_code == 429
-        holder.read_all()
+        holder.hang_up()
         wait_for(lambda: router.in_use() == 0, what="the holder's slot")
         after = router.metrics()
         assert delta(after, before, requests("rejected_timeout")) == 1
