@@ -11,10 +11,14 @@ a renewal every ~3.3 s) on two 2-slot nodes, on a real redis-server started here
 * lost reply: three acquires through a proxy that forwards them and drops their replies;
 * killed: three acquires, and a ``CLIENT KILL TYPE normal`` run in the same pass once a
   ``DEBUG SLEEP 0.8`` ends;
-* restart: as sleep, then Redis stopped (SIGTERM: it saves) and started again.
+* restart: as sleep, then Redis stopped (SIGTERM: it saves) and started again;
+* failover: three reservations replicated to a replica, the replica promoted (``REPLICAOF
+  NO ONE``), then on the old master one released, two taken and a waiter queued; the
+  proxy the router talks through switched to the new master and the old one killed.
 
 Then, from the moment Redis answers again, it prints Redis's count of slots in use (and
-of queue entries) against the router's, at once, after one renewal (3.4 s) and after 10 s.
+of queue entries; m: how many of the router's reservations Redis does not know) against
+the router's, at once, after one renewal (3.4 s) and after 10 s.
 It reports; it asserts nothing. Every process it starts is stopped by its PID.
 """
 
@@ -121,7 +125,13 @@ async def counts(server: RedisServer, pool: SharedPool) -> str:
         used = sum(int(v) for v in await redis.call("HVALS", "{pdr}:used"))
         models = await redis.call("SMEMBERS", "{pdr}:queues")
         queued = sum([await redis.call("ZCARD", b"{pdr}:queue:" + m) for m in models])
-    return f"{used}/{pool.in_use}" + (f" q{queued}/{pool.queue_depth}" if queued else "")
+        known = await redis.call("HKEYS", "{pdr}:res:" + pool.router_id)
+    missing = len(set(pool._held) - {resid.decode() for resid in known})
+    return (
+        f"{used}/{pool.in_use}"
+        + (f" q{queued}/{pool.queue_depth}" if queued or pool.queue_depth else "")
+        + (f" m{missing}" if missing else "")
+    )
 
 
 Fault = Callable[[RedisServer, SharedPool], Awaitable[str]]
@@ -216,6 +226,40 @@ async def main() -> None:
             tg.cancel_scope.cancel()
         name = "reply lost after the script ran, 3"
         print(f"{name:38} {f'{refused}/3 refused':12}" + "".join(f"{c:>14}" for c in row))
+    await failover()
+
+
+async def failover() -> None:
+    with RedisServer() as old, RedisServer(replica_of=old.port) as new:
+        proxy = Proxy(old.port)
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(proxy.serve)
+            async with (
+                router(f"redis://127.0.0.1:{port}/0") as pool,
+                Redis(parse_url(old.url), timeout=10.0) as master,
+                Redis(parse_url(new.url), timeout=10.0) as promoted,
+            ):
+                held = [await pool.acquire(0) for _ in range(3)]
+                await master.call("WAIT", "1", "10000")
+                await promoted.call("REPLICAOF", "NO", "ONE")
+                held.pop().release()
+                await anyio.sleep(0.3)  # its release sent
+                held += [await pool.acquire(0), await pool.acquire(0)]
+                tg.start_soon(give_up, pool, 1, 30.0)
+                while not pool.queue_depth:
+                    await anyio.sleep(0.01)
+                proxy.port = new.port
+                old.kill()
+                woke = anyio.current_time()
+                row = []
+                for at in AT:
+                    await anyio.sleep(max(0.0, woke + at - anyio.current_time()))
+                    row.append(await counts(new, pool))
+                for reservation in held:
+                    reservation.release()
+                tg.cancel_scope.cancel()
+        name = "failover: 1 release, 2 acquires, 1 waiter"
+        print(f"{name:38} {'-':12}" + "".join(f"{c:>14}" for c in row))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A real ``redis-server`` for tests: 127.0.0.1 only, a free port, no persistence.
+"""A real ``redis-server`` for tests: 127.0.0.1 only, a free port, no persistence (a replica
+of another if asked).
 
 ``RedisServer`` is a context manager; ``stop()`` and ``kill()`` end it (by its PID only),
 ``start()`` brings it back on the same port, with no data unless ``persistence``, as
@@ -44,8 +45,10 @@ class RedisServer:
         persistence: bool = False,
         tls: trustme.LeafCert | None = None,
         debug: bool = False,
+        replica_of: int | None = None,
     ) -> None:
-        """``debug``: DEBUG SLEEP and the other DEBUG commands allowed (a test's faults)."""
+        """``debug``: DEBUG SLEEP and the other DEBUG commands allowed (a test's faults).
+        ``replica_of``: a replica of the server on that port of 127.0.0.1 (a failover's)."""
         executable = shutil.which("redis-server")
         if executable is None:
             raise RuntimeError(MISSING)
@@ -54,6 +57,7 @@ class RedisServer:
         self.persistence = persistence
         self.tls = tls
         self.debug = debug
+        self.replica_of = replica_of
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="pd-router-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -98,6 +102,8 @@ class RedisServer:
             args += ["--requirepass", self.password]
         if self.debug:
             args += ["--enable-debug-command", "yes"]
+        if self.replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         if self.tls is None:
             args += ["--port", str(self.port)]
         else:

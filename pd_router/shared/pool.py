@@ -27,7 +27,10 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
   renewal sends the floor (every lower id is settled: held, waiting, or given up) and the
   ids held or waiting, and Redis gives back or drops every other entry of this router
   below the floor, and refuses an acquire below it (``scripts``: "Unknown outcomes"). A
-  failed call asks for a renewal at once, sent again until Redis takes it.
+  failed call asks for a renewal at once, sent again until Redis takes it. The renewal
+  also writes back the reservations held (with their nodes) and the queue entries that
+  Redis lost (a failover to a replica that lacked them); releases and a waiter's
+  leaving are not sent while a renewal runs, lest it write back what they just removed.
 * What Redis holds is checked: the scripts repair bad values and say which (logged here
   at ERROR); a script that fails on the store's data (a key of the wrong type) has the
   store repaired (``REPAIR``), this router registered again and the call tried once more.
@@ -94,6 +97,9 @@ class SharedPool(DecodePool):
         # The last reservation id given, and those whose acquire has not answered yet.
         self._last_id = 0
         self._calling: set[int] = set()
+        # Held by a renewal, a release and a waiter's leaving: a renewal writes back what
+        # this router held when it was sent, so none of them may run between.
+        self._settling = anyio.Lock()
         # The store's last error logged (logged again only once calls have succeeded).
         self._failing: str | None = None
         # Run before each registration (a start, a lost lease, a Redis that lost its data):
@@ -235,7 +241,8 @@ class SharedPool(DecodePool):
         """Out of the queue; the node of the slot that reached the waiter meanwhile, if one did."""
         with anyio.CancelScope(shield=True):
             try:
-                reply = await self._run(_ABANDON, [self.router_id, resid, _key(model)])
+                async with self._settling:
+                    reply = await self._run(_ABANDON, [self.router_id, resid, _key(model)])
             except Unavailable:
                 # The entry may stay: the renewal, asked for now, drops it or gives back
                 # the slot handed to it.
@@ -325,15 +332,21 @@ class SharedPool(DecodePool):
         a lost lease, or a Redis that lost its data."""
         if self.before_register is not None:
             await self.before_register()
+        held, queued = self._holding()
+        args = [*self._lease_and_slots(), str(len(held) // 2), *held, *queued]
+        await self._run(_REGISTER, args, repair)
+
+    def _holding(self) -> tuple[list[str], list[str]]:
+        """(id, url) of each reservation held, and (id, model) of each waiter in Redis's
+        queue, oldest first (``_waiting`` is in arrival order): what Redis must know."""
         held = [item for r in self._held.values() for item in (r.id, r.node.url)]
-        waiting = [  # oldest first: ``_waiting`` is in arrival order
+        queued = [
             item
             for resid, waiter in self._waiting.items()
             if resid in self._queued and waiter.node is None
             for item in (resid, _key(waiter.model))
         ]
-        args = [*self._lease_and_slots(), str(len(held) // 2), *held, *waiting]
-        await self._run(_REGISTER, args, repair)
+        return held, queued
 
     def _lease_and_slots(self) -> list[str]:
         slots = [item for node in self.nodes for item in (node.url, str(node.slots))]
@@ -400,7 +413,8 @@ class SharedPool(DecodePool):
                         # The released slots' nodes as they are now: whose waiters they take.
                         nodes = [node for node in self.nodes if node.url in urls]
                         args = [self.router_id, *self._takes(nodes), *(r for r, _ in releases)]
-                        await self._run(_RELEASE, args)
+                        async with self._settling:
+                            await self._run(_RELEASE, args)
                     if renew:
                         await self._renew()
                     break
@@ -440,11 +454,20 @@ class SharedPool(DecodePool):
         return False, ["", *sorted(set(served) - set(taken))]
 
     async def _renew(self) -> None:
-        kept = [*self._held, *self._waiting]
-        args = [*self._lease_and_slots(), *self._takes(self.nodes), *kept]
-        known, reclaimed, settled, _ = await self._run(_RENEW, args)
-        if not known:
-            await self._register()
+        async with self._settling:
+            held, queued = self._holding()
+            others = [resid for resid in self._waiting if resid not in queued[::2]]
+            args = [*self._lease_and_slots(), *self._takes(self.nodes)]
+            args += [str(len(held) // 2), *held, str(len(queued) // 2), *queued, *others]
+            known, reclaimed, settled, restored, _ = await self._run(_RENEW, args)
+            if not known:
+                await self._register()
+        if restored:
+            log.warning(
+                "wrote back %d reservations and queue entries that redis had lost "
+                "(a failover to a replica that had not received them?)",
+                restored,
+            )
         if reclaimed:
             log.warning("gave back %d slots of routers whose lease ended", reclaimed)
         if settled:

@@ -44,8 +44,10 @@ acquire the router still waits for; every lower one is settled: held, waiting, o
 up) and the ids the router holds or waits for. The renewal gives back every reservation
 and drops every queue entry of that router below the floor that it did not send, and an
 acquire below the floor, run late, takes nothing (``late``). Then the renewal counts
-``used`` again from the reservations. Whatever the fault, what the router holds and what
-Redis counts agree again after the next renewal.
+``used`` again from the reservations. It sends what the router holds (id and node) and
+who waits in the queue (id and model), and writes back what Redis lost: a Redis that
+failed over to a replica that had not received the last acquires. Whatever the fault,
+what the router holds and what Redis counts agree again after the next renewal.
 
 Values are checked before use: a count that is not one (``HSET {pdr}:used url x``), a lease
 that is not a time, a queue entry that is not ``"R id"``, a counter that does not count is
@@ -350,23 +352,35 @@ return {'gone', bad}
 """
 
 # ARGV: router, lease ms, floor, n, n pairs of (url, slots), the nodes that take new
-# requests (a list of nodes), then the ids the router holds or waits for
+# requests (a list of nodes), m, m pairs of (reservation id, url) the router holds, q, q
+# pairs of (reservation id, model) of its waiters in the queue, then the ids of its other
+# waiters (their acquire not answered yet, or their slot not yet heard of)
 # -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed,
-# settled, bad}
+# settled, restored, bad}
 # Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
 # counts the slots in use again; settles this router's unknown outcomes (``settle``);
+# writes back what it holds and who waits where Redis lost them (``restored``);
 # hands free slots to waiters (a node readmitted, a release that could not reach a waiter):
 # the oldest waiter first, each to the freest node that takes it, until no waiter left can
 # be given a slot.
 RENEW = _COMMON + """
 local router, lease, floor, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0, 0, bad} end
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {0, 0, 0, 0, bad} end
 local now = now_ms()
 redis.call('HSET', P .. 'routers', router, now + lease)
 for i = 0, n - 1 do redis.call('HSET', P .. 'slots', ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
 local urls, takes, at = read_nodes(5 + 2 * n)
-local kept = {}
-for i = at, #ARGV do kept[ARGV[i]] = true end
+local kept, held, queued = {}, {}, {}
+for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
+  kept[ARGV[i]] = true
+  held[#held + 1] = {ARGV[i], ARGV[i + 1]}
+end
+at = at + 1 + 2 * tonumber(ARGV[at])
+for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
+  kept[ARGV[i]] = true
+  queued[#queued + 1] = {ARGV[i], ARGV[i + 1]}
+end
+for i = at + 1 + 2 * tonumber(ARGV[at]), #ARGV do kept[ARGV[i]] = true end
 raise_floor(router, floor)
 -- First, so that every count below is one (a bad one is repaired and noted).
 recount()
@@ -401,6 +415,26 @@ for _, other in ipairs(ended) do
   end
 end
 local settled = settle(router, floor, kept, takes)
+-- What the router holds and who waits, written back where Redis lost them (a failover to
+-- a replica that had not received them). After ``settle``: a slot it gave back goes to
+-- the waiters Redis knew, never to one written back here. A waiter whose slot came
+-- meanwhile (it is in res:R) is not queued again.
+local restored = 0
+local mine = P .. 'res:' .. router
+for _, pair in ipairs(held) do
+  if redis.call('HSETNX', mine, pair[1], pair[2]) == 1 then
+    add_used(pair[2], 1)
+    restored = restored + 1
+  end
+end
+for _, pair in ipairs(queued) do
+  local member = router .. ' ' .. pair[1]
+  if not redis.call('ZSCORE', P .. 'queue:' .. pair[2], member)
+      and redis.call('HEXISTS', mine, pair[1]) == 0 then
+    enqueue(pair[2], member)
+    restored = restored + 1
+  end
+end
 -- A model none of whose nodes has a free slot is passed over from then on.
 local full = {}
 while true do
@@ -424,7 +458,7 @@ while true do
     full[model] = true
   end
 end
-return {1, reclaimed, settled, bad}
+return {1, reclaimed, settled, restored, bad}
 """
 
 # ARGV: router, lease ms, floor, n, n pairs of (url, slots), m, m pairs of (reservation id,

@@ -5,9 +5,11 @@ under asyncio and trio.
 Each fault leaves Redis with the outcome of a call the router gave up on: an acquire that
 timed out (``DEBUG SLEEP``, ``CLIENT PAUSE``) and ran later, one whose reply was lost after
 it ran (a proxy that drops it), one whose connection was killed as it ran (``CLIENT
-KILL``), one kept by a Redis that restarted. Within one renewal Redis's count of slots in
-use must equal what the router holds (and no queue entry be left that nobody waits on),
-and then a burst as wide as the pool must be served.
+KILL``), one kept by a Redis that restarted; and a failover leaves the new master without
+the last writes (acquires, a release, a waiter's entry). Within one renewal Redis's count
+of slots in use must equal what the router holds (and no queue entry be left that nobody
+waits on, nor a waiter Redis does not know), and then a burst as wide as the pool must be
+served.
 
 And what is in the store is not trusted: a bad value is logged at ERROR (key and field
 named) and repaired, and the router keeps serving; no caller sees a Lua error's text.
@@ -83,6 +85,12 @@ async def until(check: Callable[[], bool], seconds: float = HEAL) -> None:
 async def in_redis(store: Redis) -> int:
     """Slots in use by Redis's count."""
     return sum(int(value) for value in await store.call("HVALS", "{pdr}:used"))
+
+
+async def until_in(store: Redis, count: int) -> None:
+    with anyio.fail_after(HEAL):
+        while await in_redis(store) != count:
+            await anyio.sleep(0.01)
 
 
 async def queued_in_redis(store: Redis) -> int:
@@ -215,7 +223,9 @@ async def test_acquires_held_by_client_pause_and_run_after_it_are_given_back(
 
 class DroppingProxy:
     """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
-    client's connection instead of forwarding a reply: the call ran, its reply is lost."""
+    client's connection instead of forwarding a reply: the call ran, its reply is lost.
+    New connections go to ``port`` as it is then: set it, and clients fail over as they
+    would behind Sentinel or a DNS name."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -298,6 +308,49 @@ async def test_acquires_run_late_and_kept_by_a_redis_that_restarted_are_given_ba
                 held.release()
                 await agree(after, pool)
                 await burst(after, pool)
+
+
+async def test_what_a_failover_lost_or_kept_is_written_back_or_given_back() -> None:
+    """The replica is promoted while the router still writes to the old master, as in a
+    failover's window: a release, an acquire and a waiter's queue entry reach only the old
+    master, which then dies. The new master must come to count what the router holds,
+    know each of its reservations and waiters, and serve them."""
+    with RedisServer() as old, RedisServer(replica_of=old.port) as new:
+        proxy = DroppingProxy(old.port)
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(proxy.serve)
+            async with (
+                router(f"redis://127.0.0.1:{port}/0", slots=1) as pool,
+                Redis(parse_url(old.url), timeout=10.0) as before,
+                Redis(parse_url(new.url), timeout=10.0) as after,
+            ):
+                held = [await pool.acquire(0), await pool.acquire(0)]  # full
+                assert await before.call("WAIT", "1", "10000") == 1  # the replica has them
+                await after.call("REPLICAOF", "NO", "ONE")
+                held.pop(0).release()
+                await until_in(before, 1)
+                held.append(await pool.acquire(0))
+                got: list[Reservation] = []
+
+                async def wait() -> None:
+                    got.append(await pool.acquire(HEAL * 2))
+
+                tg.start_soon(wait)
+                await until(lambda: pool.queue_depth == 1)
+                assert await queued_in_redis(before) == 1
+                proxy.port = new.port
+                old.kill()
+                await agree(after, pool)
+                assert await in_redis(after) == 2 == pool.in_use
+                held.pop(0).release()  # its slot goes to the waiter, by the new master
+                await until(lambda: bool(got))
+                await agree(after, pool)
+                for reservation in [*held, *got]:
+                    reservation.release()
+                await agree(after, pool)
+                assert await in_redis(after) == 0
+                await burst(after, pool)
+            tg.cancel_scope.cancel()
 
 
 # ---------------------------------------------------------------- bad values in the store
