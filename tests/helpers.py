@@ -7,10 +7,12 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
+import openai
+from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.shared.redis import Redis, parse_url
@@ -57,6 +59,24 @@ def wait_for(check: Callable[[], bool], *, timeout: float = WAIT, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def streamed_text(stream: Iterable[ChatCompletionChunk]) -> str:
+    """The text an openai SDK chat stream brought, its chunks joined."""
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def assert_sdk_served(client: openai.OpenAI, prompt: str, message: str) -> None:
+    """The openai SDK gets a completion (the sims echo the prompt) and a chat stream."""
+    answer = client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+    assert answer.choices[0].text == f" {prompt}"
+    stream = client.chat.completions.create(
+        model="sim-model",
+        messages=[{"role": "user", "content": message}],
+        max_tokens=2,
+        stream=True,
+    )
+    assert streamed_text(stream)
 
 
 class RawClient:
