@@ -18,6 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_router.shared.redis import Redis, parse_url
 from pd_router.sim import fleet
 
+# Probes that find a node down, and back, within about a second.
+FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
+
 
 class RouterProcess(fleet.RouterProcess):
     """The router as its CLI runs it, with what the tests read from it."""
@@ -51,6 +54,18 @@ class RouterProcess(fleet.RouterProcess):
 # What a wait allows by default: it returns as soon as the state is there, and this machine
 # (two cores, shared) has stood still for tens of seconds.
 WAIT = 60.0
+
+
+def admin_router(sims: fleet.SimFleet, token: str, *args: str) -> RouterProcess:
+    """A router over every engine of ``sims``, /admin/* behind ``token``, probing fast."""
+    return RouterProcess(
+        [e.url for e in sims.prefill],
+        [e.url for e in sims.decode],
+        "--admin-token",
+        token,
+        *FAST_HEALTH,
+        *args,
+    )
 
 
 def wait_for(check: Callable[[], bool], *, timeout: float = WAIT, what: str = "condition") -> None:

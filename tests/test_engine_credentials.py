@@ -16,13 +16,12 @@ import openai
 import pytest
 
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RouterProcess, assert_sdk_served, wait_for
+from tests.helpers import RouterProcess, admin_router, assert_sdk_served, wait_for
 
 ENGINE_KEY = "engine-key-5b7f0c1d9e"
 WRONG_KEY = "engine-key-wrong-000000"
 CLIENT_KEY = "sk-client-4d2a9c"
 TOKEN = "admin-token"
-FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +32,7 @@ def fleet() -> Iterator[SimFleet]:
 
 
 def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
-    return RouterProcess(
-        [e.url for e in fleet.prefill],
-        [e.url for e in fleet.decode],
-        "--admin-token",
-        TOKEN,
-        *FAST_HEALTH,
-        *args,
-    )
+    return admin_router(fleet, TOKEN, *args)
 
 
 def admin_nodes(router: RouterProcess) -> httpx.Response:
