@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess  # nosec B404
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.processes import cpu_ms  # noqa: E402
+from benchmarks.processes import checkouts, cpu_ms, running  # noqa: E402
 from benchmarks.workloads.requests import completion_body, stream_completion  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
 
@@ -90,16 +89,6 @@ async def compare(routers: list[RevisionRouter], args: argparse.Namespace) -> No
               f"errors={errors[router.label]}")  # fmt: skip
 
 
-def checkout(revision: str, into: Path) -> Path:
-    if revision == ".":
-        return REPO_ROOT
-    subprocess.run(  # nosec B603 B607
-        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q", str(into), revision],
-        check=True,
-    )
-    return into
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("revisions", nargs="+", help="git revisions; . is the working tree")
@@ -109,14 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pd-router-compare-") as tmp:
-        trees: list[Path] = []
-        try:
-            sources = []
-            for index, revision in enumerate(args.revisions):
-                source = checkout(revision, Path(tmp) / str(index))
-                if source != REPO_ROOT:
-                    trees.append(source)
-                sources.append(source)
+        with checkouts(args.revisions, Path(tmp)) as sources:
             decode_args = ["--standalone", "--slots", "256", "--ttft", "0", "--itl", "0"]
             with SimFleet(prefill=1, decode=2, decode_args=decode_args) as fleet:
                 prefill = [engine.url for engine in fleet.prefill]
@@ -126,21 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "--decode-slots", "64")  # fmt: skip
                     for index, (revision, source) in enumerate(zip(args.revisions, sources))
                 ]
-                try:
-                    for router in routers:
-                        router.start()
-                    for router in routers:
-                        router.wait_healthy()
+                with running(routers):
                     asyncio.run(compare(routers, args))
-                finally:
-                    for router in routers:
-                        router.stop()
-        finally:
-            for tree in trees:
-                subprocess.run(  # nosec B603 B607
-                    ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)],
-                    check=False,
-                )
     return 0
 
 

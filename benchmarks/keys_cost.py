@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.processes import cpu_ms  # noqa: E402
+from benchmarks.processes import cpu_ms, running  # noqa: E402
 from benchmarks.workloads.requests import FILLER, completion_body, stream_completion  # noqa: E402
 from pd_router.edge.auth import parse  # noqa: E402
 from pd_router.fleet.keys import KeyLimits  # noqa: E402
@@ -145,15 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 label: RouterProcess(prefill, decode, "--decode-slots", "64", *extra)
                 for label, extra in flags.items()
             }
-            try:
-                for router in routers.values():
-                    router.start()
-                for router in routers.values():
-                    router.wait_healthy()
+            with running(routers.values()):
                 asyncio.run(compare(routers, args))
-            finally:
-                for router in routers.values():
-                    router.stop()
     return 0
 
 

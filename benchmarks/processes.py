@@ -18,16 +18,17 @@ import subprocess  # nosec B404
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
 from benchmarks.report import log
-from pd_router.sim.fleet import ServerProcess, free_port
+from pd_router.sim.fleet import RouterProcess, ServerProcess, free_port
 
 T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 
@@ -51,6 +52,59 @@ VLLM_ROUTER_FAIR_ARGS = (
     "--worker-startup-check-interval",
     "1",
 )
+
+
+@contextlib.contextmanager
+def checkouts(revisions: Sequence[str], into: Path) -> Iterator[list[Path]]:
+    """Each revision's tree (``.``: the working tree itself), the others checked out as
+    detached git worktrees below ``into`` and removed on the way out."""
+    trees: list[Path] = []
+    added: list[Path] = []
+    try:
+        for index, revision in enumerate(revisions):
+            if revision == ".":
+                trees.append(REPO_ROOT)
+                continue
+            tree = into / str(index)
+            subprocess.run(  # nosec B603 B607
+                [
+                    "git",
+                    "-C",
+                    str(REPO_ROOT),
+                    "worktree",
+                    "add",
+                    "--detach",
+                    "-q",
+                    str(tree),
+                    revision,
+                ],
+                check=True,
+            )
+            added.append(tree)
+            trees.append(tree)
+        yield trees
+    finally:
+        for tree in added:
+            subprocess.run(  # nosec B603 B607
+                ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)],
+                check=False,
+            )
+
+
+@contextlib.contextmanager
+def running(routers: Iterable[RouterProcess]) -> Iterator[None]:
+    """All the routers started, then each healthy (they start in parallel); stopped on the
+    way out."""
+    started = list(routers)
+    try:
+        for router in started:
+            router.start()
+        for router in started:
+            router.wait_healthy()
+        yield
+    finally:
+        for router in started:
+            router.stop()
 
 
 def cpu_ms(pid: int) -> float:

@@ -24,6 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.processes import checkouts  # noqa: E402
 
 # Run in a fresh interpreter with the revision's tree first on sys.path: argv[1] the tree,
 # argv[2] the requests. Only the relay's public entry points, which every revision has.
@@ -92,16 +96,6 @@ asyncio.run(main(int(sys.argv[2])))
 """
 
 
-def checkout(revision: str, into: Path) -> Path:
-    if revision == ".":
-        return REPO_ROOT
-    subprocess.run(  # nosec B603 B607
-        ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q", str(into), revision],
-        check=True,
-    )
-    return into
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("revisions", nargs="+", help="git revisions; . is the working tree")
@@ -109,8 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pd-router-relay-micro-") as tmp:
-        trees = [checkout(rev, Path(tmp) / str(i)) for i, rev in enumerate(args.revisions)]
-        try:
+        with checkouts(args.revisions, Path(tmp)) as trees:
             times: dict[int, list[float]] = {i: [] for i in range(len(trees))}
             for round_ in range(args.rounds):
                 order = list(range(len(trees)))
@@ -128,13 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{revision:>12}: {statistics.median(times[index]):.1f} us relay CPU per "
                     f"request, median ({min(times[index]):.1f} the least; rounds: {rounds})"
                 )
-        finally:
-            for tree in trees:
-                if tree != REPO_ROOT:
-                    subprocess.run(  # nosec B603 B607
-                        ["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", str(tree)],
-                        check=False,
-                    )
     return 0
 
 

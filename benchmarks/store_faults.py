@@ -38,7 +38,7 @@ from pd_router.errors import Unavailable  # noqa: E402
 from pd_router.fleet.nodes import make_nodes  # noqa: E402
 from pd_router.shared.pool import SharedPool  # noqa: E402
 from pd_router.shared.redis import Redis, parse_url  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import DroppingProxy, RedisServer  # noqa: E402
 
 URLS = ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]
 AT = (0.0, 3.4, 10.0)
@@ -75,33 +75,6 @@ async def give_up(pool: SharedPool, count: int, timeout: float = 0) -> int:
         for _ in range(count):
             tg.start_soon(one)
     return refused
-
-
-class Proxy:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.dropping = False
-
-    async def serve(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
-        await listener.serve(self._relay)
-
-    async def _relay(self, client: SocketStream) -> None:
-        async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
-            async with anyio.create_task_group() as tg:
-
-                async def forward() -> None:
-                    async for data in client:
-                        await upstream.send(data)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(forward)
-                async for data in upstream:
-                    if self.dropping:
-                        break
-                    await client.send(data)
-                tg.cancel_scope.cancel()
 
 
 @asynccontextmanager
@@ -211,7 +184,7 @@ async def main() -> None:
                     row.append(await counts(server, pool))
                 print(f"{name:38} {refused:12}" + "".join(f"{c:>14}" for c in row), flush=True)
     with RedisServer(debug=True) as server:
-        proxy = Proxy(server.port)
+        proxy = DroppingProxy(server.port)
         async with anyio.create_task_group() as tg:
             port = await tg.start(proxy.serve)
             async with router(f"redis://127.0.0.1:{port}/0") as pool:
@@ -231,7 +204,7 @@ async def main() -> None:
 
 async def failover() -> None:
     with RedisServer() as old, RedisServer(replica_of=old.port) as new:
-        proxy = Proxy(old.port)
+        proxy = DroppingProxy(old.port)
         async with anyio.create_task_group() as tg:
             port = await tg.start(proxy.serve)
             async with (

@@ -40,6 +40,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 )
 
 from benchmarks.compare_commits import RevisionRouter, compare  # noqa: E402
+from benchmarks.processes import running  # noqa: E402
 from pd_router.fleet.nodes import Node  # noqa: E402
 from pd_router.ops.spans import Tracer  # noqa: E402
 from pd_router.sim.fleet import SimFleet  # noqa: E402
@@ -135,15 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             RevisionRouter("on", REPO_ROOT, *engines, *traced),
             RevisionRouter("on-unsampled", REPO_ROOT, *engines, *traced, env=unsampled),
         ]
-        try:
-            for router in routers:
-                router.start()
-            for router in routers:
-                router.wait_healthy()
+        with running(routers):
             asyncio.run(compare(routers, args))
-        finally:
-            for router in routers:
-                router.stop()
     warm = 2 * args.concurrency
     sent = args.requests * args.rounds + warm
     # Stopped routers have flushed: every span they made is in.

@@ -7,14 +7,19 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
+import openai
+from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.shared.redis import Redis, parse_url
 from pd_router.sim import fleet
+
+# Probes that find a node down, and back, within about a second.
+FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 
 
 class RouterProcess(fleet.RouterProcess):
@@ -51,12 +56,42 @@ class RouterProcess(fleet.RouterProcess):
 WAIT = 60.0
 
 
+def admin_router(sims: fleet.SimFleet, token: str, *args: str) -> RouterProcess:
+    """A router over every engine of ``sims``, /admin/* behind ``token``, probing fast."""
+    return RouterProcess(
+        [e.url for e in sims.prefill],
+        [e.url for e in sims.decode],
+        "--admin-token",
+        token,
+        *FAST_HEALTH,
+        *args,
+    )
+
+
 def wait_for(check: Callable[[], bool], *, timeout: float = WAIT, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def streamed_text(stream: Iterable[ChatCompletionChunk]) -> str:
+    """The text an openai SDK chat stream brought, its chunks joined."""
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def assert_sdk_served(client: openai.OpenAI, prompt: str, message: str) -> None:
+    """The openai SDK gets a completion (the sims echo the prompt) and a chat stream."""
+    answer = client.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+    assert answer.choices[0].text == f" {prompt}"
+    stream = client.chat.completions.create(
+        model="sim-model",
+        messages=[{"role": "user", "content": message}],
+        max_tokens=2,
+        stream=True,
+    )
+    assert streamed_text(stream)
 
 
 class RawClient:

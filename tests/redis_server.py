@@ -21,7 +21,10 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
+import anyio
+import anyio.abc
 import trustme
+from anyio.abc import SocketStream
 
 MISSING = (
     "redis-server is not on PATH: these tests need a real Redis. `.ci/run` installs it "
@@ -174,3 +177,37 @@ class RedisServer:
         sock.sendall(b"PING\r\n")
         # +PONG, or -NOAUTH when a password is required: either way, it serves.
         return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+
+
+class DroppingProxy:
+    """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
+    client's connection instead of forwarding a reply: the call ran, its reply is lost.
+    New connections go to ``port`` as it is then: set it, and clients fail over as they
+    would behind Sentinel or a DNS name."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.dropping = False
+        self.dropped = 0
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
+        await listener.serve(self._relay)
+
+    async def _relay(self, client: SocketStream) -> None:
+        async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
+            async with anyio.create_task_group() as tg:
+
+                async def forward() -> None:
+                    async for data in client:
+                        await upstream.send(data)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(forward)
+                async for data in upstream:
+                    if self.dropping:
+                        self.dropped += 1
+                        break
+                    await client.send(data)
+                tg.cancel_scope.cancel()

@@ -30,7 +30,7 @@ from pd_router.demo import demo_parser, parse
 from pd_router.serve import parse_router_args, router_parser
 from pd_router.sim.fleet import free_port
 from pd_router.status import format_table, from_admin, from_metrics
-from tests.helpers import wait_for
+from tests.helpers import streamed_text, wait_for
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -486,7 +486,7 @@ def test_the_demo_serves_each_model_on_its_own_engines_and_names_the_prefill() -
             stream = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
             )
-            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            text = streamed_text(stream)
             assert text == f"[prefill {prefill[model]}] user: hi"
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model="gamma", prompt="hello", max_tokens=1)

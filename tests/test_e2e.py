@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RawClient, RouterProcess, wait_for
+from tests.helpers import RawClient, RouterProcess, streamed_text, wait_for
 
 SIM_DEFAULTS = {
     "prefill": {"prefill_delay": 0, "fail_status": None},
@@ -108,7 +108,7 @@ def test_chat_stream_and_not(router: RouterProcess, sims: SimFleet) -> None:
     stream = client.chat.completions.create(
         model="sim-model", messages=messages, max_tokens=6, stream=True
     )
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    text = streamed_text(stream)
     assert text == echo(rendered, 6)
     router.assert_idle()
 

@@ -16,13 +16,12 @@ import openai
 import pytest
 
 from pd_router.sim.fleet import SimFleet
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, admin_router, assert_sdk_served, wait_for
 
 ENGINE_KEY = "engine-key-5b7f0c1d9e"
 WRONG_KEY = "engine-key-wrong-000000"
 CLIENT_KEY = "sk-client-4d2a9c"
 TOKEN = "admin-token"
-FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +32,7 @@ def fleet() -> Iterator[SimFleet]:
 
 
 def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
-    return RouterProcess(
-        [e.url for e in fleet.prefill],
-        [e.url for e in fleet.decode],
-        "--admin-token",
-        TOKEN,
-        *FAST_HEALTH,
-        *args,
-    )
+    return admin_router(fleet, TOKEN, *args)
 
 
 def admin_nodes(router: RouterProcess) -> httpx.Response:
@@ -64,15 +56,7 @@ def test_the_engine_key_goes_on_every_engine_call_and_the_clients_never(
             what="the nodes' models read",
         )
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=CLIENT_KEY, max_retries=0)
-        answer = client.completions.create(model="sim-model", prompt="hi there", max_tokens=2)
-        assert answer.choices[0].text == " hi there"
-        chunks = client.chat.completions.create(
-            model="sim-model",
-            messages=[{"role": "user", "content": "streamed"}],
-            max_tokens=2,
-            stream=True,
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert_sdk_served(client, "hi there", "streamed")
         assert [m.id for m in client.models.list().data] == ["sim-model"]
         # Every call reached its engine with the router's key, and only with it: the sims
         # refuse a request whose Authorization headers are not all the engine key.

@@ -11,12 +11,11 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
-from tests.helpers import RouterProcess, flush_state, wait_for
+from tests.helpers import FAST_HEALTH, RouterProcess, flush_state, wait_for
 from tests.redis_server import RedisServer
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 
 
 def admin(router: RouterProcess, method: str, path: str, **kwargs: Any) -> httpx.Response:

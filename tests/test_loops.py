@@ -12,11 +12,10 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import SimFleet, free_port
-from tests.helpers import Forwarder, RouterProcess, wait_for
+from tests.helpers import FAST_HEALTH, Forwarder, RouterProcess, wait_for
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 BODY = {"model": "sim-model", "prompt": "round and round", "max_tokens": 4}
 
 

@@ -17,7 +17,7 @@ import pytest
 import trustme
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RouterProcess, flush_state, wait_for
+from tests.helpers import RouterProcess, assert_sdk_served, flush_state, wait_for
 from tests.redis_server import RedisServer
 
 TOKEN = "admin-token"
@@ -80,15 +80,7 @@ def test_the_router_serves_https_to_the_openai_sdk(fleet: SimFleet, pki: Pki) ->
     with TlsRouter(pki, [e.url for e in fleet.prefill], [e.url for e in fleet.decode]) as router:
         assert router.url.startswith("https://")
         client = sdk(router, pki)
-        answer = client.completions.create(model="sim-model", prompt="over tls", max_tokens=2)
-        assert answer.choices[0].text == " over tls"
-        stream = client.chat.completions.create(
-            model="sim-model",
-            messages=[{"role": "user", "content": "secret words"}],
-            max_tokens=2,
-            stream=True,
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert_sdk_served(client, "over tls", "secret words")
         assert f"listening on https://127.0.0.1:{router.port}" in router.log()
         # A client that does not trust the CA is refused by its own TLS stack.
         with pytest.raises(httpx.ConnectError):

@@ -14,7 +14,7 @@ import pytest
 
 from pd_router.ops.tracing import INSTALL
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RawClient, RouterProcess
+from tests.helpers import RawClient, RouterProcess, streamed_text
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 # Spans reach the receiver within a tenth of a second instead of the SDK's default 5 s.
@@ -102,7 +102,7 @@ def test_a_streamed_request_is_one_trace_continuing_the_clients(
             "x-request-id": "streamed-1",
         },
     )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    text = streamed_text(stream)
     assert text
     spans = by_name(receiver.request_trace("streamed-1", 5))
     assert sorted(spans) == [

@@ -14,11 +14,10 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import FAST_HEALTH, RouterProcess, admin_router, wait_for
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FAST_HEALTH = ("--health-interval", "0.2", "--unhealthy-after", "2", "--healthy-after", "2")
 
 
 def echo(prompt: str, tokens: int) -> str:
@@ -27,14 +26,7 @@ def echo(prompt: str, tokens: int) -> str:
 
 
 def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
-    return RouterProcess(
-        [e.url for e in fleet.prefill],
-        [e.url for e in fleet.decode],
-        "--admin-token",
-        TOKEN,
-        *FAST_HEALTH,
-        *args,
-    )
+    return admin_router(fleet, TOKEN, *args)
 
 
 def admin(router: RouterProcess, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -30,7 +30,7 @@ from pd_router.fleet.nodes import make_nodes
 from pd_router.fleet.pool import Reservation
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, parse_url
-from tests.redis_server import RedisServer
+from tests.redis_server import DroppingProxy, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -219,40 +219,6 @@ async def test_acquires_held_by_client_pause_and_run_after_it_are_given_back(
         await refused(lambda: pool.acquire(0), 4)
         await agree(store, pool)  # the test's own calls wait out the pause too
         await burst(store, pool)
-
-
-class DroppingProxy:
-    """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
-    client's connection instead of forwarding a reply: the call ran, its reply is lost.
-    New connections go to ``port`` as it is then: set it, and clients fail over as they
-    would behind Sentinel or a DNS name."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.dropping = False
-        self.dropped = 0
-
-    async def serve(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
-        await listener.serve(self._relay)
-
-    async def _relay(self, client: SocketStream) -> None:
-        async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
-            async with anyio.create_task_group() as tg:
-
-                async def forward() -> None:
-                    async for data in client:
-                        await upstream.send(data)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(forward)
-                async for data in upstream:
-                    if self.dropping:
-                        self.dropped += 1
-                        break
-                    await client.send(data)
-                tg.cancel_scope.cancel()
 
 
 async def test_acquires_whose_reply_was_lost_after_they_ran_are_given_back(
