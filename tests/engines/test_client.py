@@ -233,18 +233,31 @@ async def serve_requests(conn: Conn, reply: bytes) -> None:
         await conn.send(reply)
 
 
+async def never_answers(conn: Conn) -> None:
+    await conn.request()
+    await conn.until_gone()
+
+
+async def serve_ok(conn: Conn) -> None:
+    await serve_requests(conn, answer(200, b"ok"))
+
+
+async def post_ok(client: Upstream, url: str, request_id: str) -> None:
+    """One request, its "ok" answer read whole and the response closed (so pooled if fit)."""
+    with await client.post(url, {}, request_id) as response:
+        assert await response.read() == b"ok"
+
+
 async def two_requests_on_two_connections(
-    handler: Handler, between: Callable[[Engine, Upstream], Awaitable[None]]
+    handler: Handler, after_each: Callable[[Engine, Upstream], Awaitable[None]]
 ) -> None:
-    """Two requests, each answered "ok"; ``between`` runs after the first. The second must
+    """Two requests, each answered "ok"; ``after_each`` runs after each. The second must
     have needed a connection of its own: the first one was not pooled, or was dropped."""
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
         for request_id in ("a", "b"):
-            with await client.post(url, {}, request_id) as response:
-                assert await response.read() == b"ok"
-            if request_id == "a":
-                await between(engine, client)
+            await post_ok(client, url, request_id)
+            await after_each(engine, client)
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
 
 
@@ -260,6 +273,12 @@ async def stream_until_it_breaks(client: Upstream, url: str) -> tuple[bytes, Ups
 
 async def until_not_pooled(engine: Engine, client: Upstream) -> None:
     await until(lambda: idle(client) == [])
+
+
+async def dropped_at_once(engine: Engine, client: Upstream) -> None:
+    """The connection just used is not pooled, and the router closes it."""
+    assert idle(client) == []
+    await within(engine.connections[-1].gone.wait())
 
 
 def refused_port() -> socket.socket:
@@ -380,7 +399,7 @@ async def test_an_answer_not_read_to_its_end_closes_its_connection() -> None:
             await conn.until_gone()
         else:
             await conn.send(answer(200, b"ok"))
-            await serve_requests(conn, answer(200, b"ok"))
+            await serve_ok(conn)
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
@@ -389,8 +408,7 @@ async def test_an_answer_not_read_to_its_end_closes_its_connection() -> None:
         # The engine sees its peer go: that is how it learns to abort the request.
         await within(engine.connections[0].gone.wait())
         assert idle(client) == []
-        with await client.post(url, {}, "next") as response:
-            assert await response.read() == b"ok"
+        await post_ok(client, url, "next")
 
     assert [len(conn.requests) for conn in engine.connections] == [1, 1]
 
@@ -410,10 +428,7 @@ async def test_an_answer_that_arrived_whole_but_was_not_read_leaves_no_stale_byt
 
 
 async def test_a_second_close_does_not_close_a_connection_reused_meanwhile() -> None:
-    async def handler(conn: Conn) -> None:
-        await serve_requests(conn, answer(200, b"ok"))
-
-    async with scripted_engine(handler) as engine, engine_client() as client:
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
         with await client.post(url, {}, "first") as first:
             assert await first.read() == b"ok"
@@ -433,11 +448,7 @@ async def test_a_second_close_does_not_close_a_connection_reused_meanwhile() -> 
 
 
 async def test_cancelled_while_waiting_for_the_head_closes_the_connection() -> None:
-    async def handler(conn: Conn) -> None:
-        await conn.request()
-        await conn.until_gone()
-
-    async with scripted_engine(handler) as engine, engine_client(read_timeout=5) as client:
+    async with scripted_engine(never_answers) as engine, engine_client(read_timeout=5) as client:
 
         async def call() -> None:
             with await client.post(engine.url + "/v1/completions", {}, "r"):
@@ -464,40 +475,29 @@ async def test_an_idle_connection_the_engine_closed_is_replaced() -> None:
     await two_requests_on_two_connections(handler, until_not_pooled)
 
 
-async def test_a_connection_idle_longer_than_keepalive_is_not_reused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def short_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upstream_module, "KEEPALIVE_SECONDS", 0.05)
 
-    async def handler(conn: Conn) -> None:
-        await serve_requests(conn, answer(200, b"ok"))
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
+@pytest.mark.usefixtures("short_keepalive")
+async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
-        with await client.post(url, {}, "a") as response:
-            assert await response.read() == b"ok"
-        with await client.post(url, {}, "b") as response:  # fresh: reused
-            assert await response.read() == b"ok"
+        await post_ok(client, url, "a")
+        await post_ok(client, url, "b")  # fresh: reused
         await asyncio.sleep(0.1)
-        with await client.post(url, {}, "c") as response:  # too old: a new connection
-            assert await response.read() == b"ok"
+        await post_ok(client, url, "c")  # too old: a new connection
         # ...and the old one was closed, not left open.
         await within(engine.connections[0].gone.wait())
 
     assert [len(conn.requests) for conn in engine.connections] == [2, 1]
 
 
-async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_find_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(upstream_module, "KEEPALIVE_SECONDS", 0.05)
-
-    async def handler(conn: Conn) -> None:
-        await serve_requests(conn, answer(200, b"ok"))
-
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        with await client.post(engine.url + "/v1/completions", {}, "a") as response:
-            assert await response.read() == b"ok"
+@pytest.mark.usefixtures("short_keepalive")
+async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_find_it() -> None:
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
+        await post_ok(client, engine.url + "/v1/completions", "a")
         assert len(idle(client)) == 1
         await within(engine.connections[0].gone.wait())
         await until(lambda: idle(client) == [])
@@ -509,15 +509,7 @@ async def test_an_answer_saying_connection_close_is_not_pooled() -> None:
         await conn.send(answer(200, b"ok", b"connection: close"))
         await conn.until_gone()  # the router closes it, the engine does not have to
 
-    async with scripted_engine(handler) as engine, engine_client() as client:
-        url = engine.url + "/v1/completions"
-        for request_id in ("a", "b"):
-            with await client.post(url, {}, request_id) as response:
-                assert await response.read() == b"ok"
-            assert idle(client) == []
-        await within(engine.connections[0].gone.wait())
-
-    assert len(engine.connections) == 2
+    await two_requests_on_two_connections(handler, dropped_at_once)
 
 
 async def test_bytes_the_engine_sends_while_idle_drop_the_connection() -> None:
@@ -526,7 +518,7 @@ async def test_bytes_the_engine_sends_while_idle_drop_the_connection() -> None:
         await conn.send(answer(200, b"ok"))
         await asyncio.sleep(0.02)
         await conn.send(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
-        await serve_requests(conn, answer(200, b"ok"))
+        await serve_ok(conn)
 
     await two_requests_on_two_connections(handler, until_not_pooled)
 
@@ -536,13 +528,9 @@ async def test_a_second_answer_in_the_same_bytes_is_not_taken_for_body() -> None
         await conn.request()
         # One write: the answer asked for, then one nobody asked for.
         await conn.send(answer(200, b"ok") + answer(200, b"unasked"))
-        await serve_requests(conn, answer(200, b"ok"))
+        await serve_ok(conn)
 
-    async def dropped_at_once(engine: Engine, client: Upstream) -> None:
-        # A connection out of step with its engine is dropped, not pooled.
-        assert idle(client) == []
-        await within(engine.connections[0].gone.wait())
-
+    # A connection out of step with its engine is dropped, not pooled.
     await two_requests_on_two_connections(handler, dropped_at_once)
 
 
@@ -646,11 +634,7 @@ async def test_connect_timeout() -> None:
 
 
 async def test_no_answer_is_a_timeout_and_the_connection_is_closed() -> None:
-    async def handler(conn: Conn) -> None:
-        await conn.request()
-        await conn.until_gone()
-
-    async with scripted_engine(handler) as engine, engine_client(read_timeout=0.2) as client:
+    async with scripted_engine(never_answers) as engine, engine_client(read_timeout=0.2) as client:
         started = time.monotonic()
         with pytest.raises(UpstreamError) as caught:
             with await client.post(engine.url + "/v1/completions", {}, "r"):
@@ -950,11 +934,7 @@ async def test_probe_200_is_healthy_and_a_503_is_reported() -> None:
 
 
 async def test_probe_without_answer_in_time_reports_the_timeout() -> None:
-    async def handler(conn: Conn) -> None:
-        await conn.request()
-        await conn.until_gone()
-
-    async with scripted_engine(handler) as engine, engine_client(read_timeout=10) as client:
+    async with scripted_engine(never_answers) as engine, engine_client(read_timeout=10) as client:
         started = time.monotonic()
         problem = await client.probe(engine.url + "/health", 0.2)
         assert time.monotonic() - started < 1.0
@@ -995,7 +975,7 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
             if not done:
                 stalled.set()  # the router stopped reading: TCP pushes back to here
                 await drain
-        await serve_requests(conn, answer(200, b"ok"))
+        await serve_ok(conn)
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
@@ -1014,17 +994,13 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
         assert len(received) == total
         assert received == payload
         # Back-pressure left the connection fit for reuse.
-        with await client.post(url, {}, "again") as response:
-            assert await response.read() == b"ok"
+        await post_ok(client, url, "again")
 
     assert [len(conn.requests) for conn in engine.connections] == [2]
 
 
 async def test_engine_connections_set_tcp_nodelay() -> None:
-    async def handler(conn: Conn) -> None:
-        await serve_requests(conn, answer(200, b"ok"))
-
-    async with scripted_engine(handler) as engine, engine_client() as client:
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
         with await client.post(engine.url + "/v1/completions", {}, "r") as response:
             transport = response._conn._transport
             assert transport is not None
