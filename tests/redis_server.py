@@ -18,7 +18,6 @@ import subprocess  # nosec B404
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote
 
 import anyio
@@ -80,12 +79,7 @@ class RedisServer:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
