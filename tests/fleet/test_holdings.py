@@ -12,18 +12,13 @@ from collections import Counter
 import anyio
 
 from pd_router.fleet.holdings import CHUNK_BYTES, CHUNK_TOKENS, Holdings, KvView, describe
-from pd_router.fleet.nodes import Node, make_nodes
+from pd_router.fleet.nodes import make_nodes
 from pd_router.fleet.prefill import Cost
 from pd_router.fleet.registry import Fleet
+from tests.fleet.test_prefill import SYSTEM, prefill_nodes
 
-SYSTEM = "You are a careful assistant. " * 40
 # A shared opening far longer than any fixed cut (the prefix key's 1024 characters).
 OPENING = "Instructions for the agent, to follow to the letter. " * 160
-
-
-def prefill_nodes(count: int, first: int = 0) -> list[Node]:
-    urls = [f"http://p{index}:8100" for index in range(first, first + count)]
-    return make_nodes(urls, 1, role="prefill", first_id=first)
 
 
 def chat(conversation: int, turns: int) -> dict[str, object]:

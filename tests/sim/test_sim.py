@@ -12,21 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
+from pd_router.engines.handshake import PREFILL_KV_PARAMS
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from pd_router.sim.kvcache import PinnedBlocks, PrefixCache
 from pd_router.sim.tokens import PromptError, chat_tokens, completion_tokens
 
 BLOCK_SIZE = 4
 MODEL = "sim-model"
-# What a router sends to the prefill engine, as vLLM's own P/D proxy does.
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 DEFAULT_CONFIG: dict[str, Any] = {
     "prefill_delay": 0.0,
     "prefill_per_token": 0.0,
@@ -82,7 +74,7 @@ def do_prefill(
     request_id: str | None = None,
 ) -> dict[str, Any]:
     headers = {"X-Request-Id": request_id} if request_id else {}
-    body = body_for(prompt, chat, max_tokens=1, kv_transfer_params=dict(PREFILL_KV))
+    body = body_for(prompt, chat, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
     response = client.post(fleet.prefill[0].url + path_for(chat), json=body, headers=headers)
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
@@ -321,7 +313,7 @@ def test_pull_from_a_dead_prefill_fails(client: httpx.Client, fleet: SimFleet) -
 
 
 def test_missing_or_invalid_handshake_is_refused(client: httpx.Client, fleet: SimFleet) -> None:
-    for kv in (None, {"do_remote_prefill": True}, dict(PREFILL_KV)):
+    for kv in (None, {"do_remote_prefill": True}, dict(PREFILL_KV_PARAMS)):
         response = do_decode(client, fleet, "a b", kv, max_tokens=1)
         assert response.status_code == 400
         error = response.json()["error"]
@@ -334,14 +326,14 @@ def test_missing_or_invalid_handshake_is_refused(client: httpx.Client, fleet: Si
 def test_bad_requests(client: httpx.Client, fleet: SimFleet) -> None:
     url = fleet.prefill[0].url
     long_prompt = " ".join(["w"] * 4097)
-    body = body_for(long_prompt, False, kv_transfer_params=dict(PREFILL_KV))
+    body = body_for(long_prompt, False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
     response = client.post(url + "/v1/completions", json=body)
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]
     response = client.post(url + "/v1/completions", content=b"{not json")
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    body = body_for("a", False, max_tokens="3", kv_transfer_params=dict(PREFILL_KV))
+    body = body_for("a", False, max_tokens="3", kv_transfer_params=dict(PREFILL_KV_PARAMS))
     assert client.post(url + "/v1/completions", json=body).status_code == 400
     response = client.post(url + "/sim/config", json={"warp_speed": 9})
     assert response.status_code == 400
@@ -352,7 +344,9 @@ def test_bad_requests(client: httpx.Client, fleet: SimFleet) -> None:
 
 def test_lease_expiry_frees_blocks(client: httpx.Client, fleet: SimFleet) -> None:
     with EngineProcess("prefill", ["--kv-lease", "0.5"]) as prefill:
-        body = body_for("soon gone", False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV))
+        body = body_for(
+            "soon gone", False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_PARAMS)
+        )
         kv = client.post(prefill.url + "/v1/completions", json=body).json()["kv_transfer_params"]
         assert prefill.stats()["blocks_pinned"] == 1
         # Nothing else happens on the engine: reading stats alone must expire the lease.
@@ -424,7 +418,7 @@ def test_client_disconnect_during_prefill_pins_nothing(fleet: SimFleet) -> None:
     prefill = fleet.prefill[0]
     prefill.configure(prefill_delay=2.0)
     pinned = prefill.stats()["blocks_pinned"]
-    body = body_for("too slow", False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV))
+    body = body_for("too slow", False, max_tokens=1, kv_transfer_params=dict(PREFILL_KV_PARAMS))
     with httpx.Client(timeout=0.2) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post(prefill.url + "/v1/completions", json=body)
@@ -492,7 +486,9 @@ def test_a_prefill_engine_computes_at_most_its_concurrency_at_once() -> None:
         done: list[float] = []
 
         def prefill(word: str) -> None:
-            body = body_for(f"{word} " * 20, False, max_tokens=1, kv_transfer_params=PREFILL_KV)
+            body = body_for(
+                f"{word} " * 20, False, max_tokens=1, kv_transfer_params=PREFILL_KV_PARAMS
+            )
             assert client.post(engine.url + "/v1/completions", json=body).status_code == 200
             done.append(time.monotonic())
 
