@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio
+import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,6 +75,12 @@ def wait_for(check: Callable[[], bool], *, timeout: float = WAIT, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def complete(router: RouterProcess, prompt: str, tokens: int = 2) -> httpx.Response:
+    """A plain (not streamed) completion through the router, answered or not."""
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": tokens}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
 
 
 def streamed_text(stream: Iterable[ChatCompletionChunk]) -> str:

@@ -20,7 +20,7 @@ import pytest
 
 from pd_router.sim.fleet import SimFleet
 from tests.fleet.test_fleet_e2e import Stream, echo
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, complete, wait_for
 
 BODY = json.dumps({"model": "sim-model", "prompt": "slow body", "max_tokens": 2}).encode()
 
@@ -98,11 +98,6 @@ def drip(sock: socket.socket, seconds: float) -> bytes:
         except TimeoutError:
             continue
     raise AssertionError(f"no answer after dripping for {seconds} s")
-
-
-def complete(router: RouterProcess, prompt: str) -> httpx.Response:
-    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
-    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
 
 
 def closed_by(router: RouterProcess, reason: str) -> float:

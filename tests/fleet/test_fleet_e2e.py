@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import FAST_HEALTH, RouterProcess, admin_router, wait_for
+from tests.helpers import FAST_HEALTH, RouterProcess, admin_router, complete, wait_for
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -119,21 +119,12 @@ def test_a_dead_decode_engine_fails_only_its_own_streams(fleet: SimFleet) -> Non
         survivor = fleet.decode[1]
         before = survivor.stats()["completed"]
         for i in range(4):
-            answer = httpx.post(
-                f"{router.url}/v1/completions",
-                json={"model": "sim-model", "prompt": f"after {i}", "max_tokens": 2},
-                timeout=10,
-            )
-            assert answer.status_code == 200
+            assert complete(router, f"after {i}").status_code == 200
         assert survivor.stats()["completed"] == before + 4, "the dead node is not picked"
         fleet.decode[0].start().wait_healthy()
         wait_for(lambda: node_states(router)[victim_node["id"]] == "serving", what="readmission")
         for i in range(4):
-            httpx.post(
-                f"{router.url}/v1/completions",
-                json={"model": "sim-model", "prompt": f"back {i}", "max_tokens": 2},
-                timeout=10,
-            ).raise_for_status()
+            complete(router, f"back {i}").raise_for_status()
         assert fleet.decode[0].stats()["completed"] > 0, "the readmitted node takes traffic"
 
 
@@ -151,11 +142,7 @@ def test_a_request_refused_by_a_dead_decode_engine_goes_to_another(fleet: SimFle
         before = survivor.stats()["completed"]
         for i in range(4):
             prompt = f"moved {i} along"
-            answer = httpx.post(
-                f"{router.url}/v1/completions",
-                json={"model": "sim-model", "prompt": prompt, "max_tokens": 3},
-                timeout=10,
-            )
+            answer = complete(router, prompt, 3)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == echo(prompt, 3)
         assert survivor.stats()["completed"] == before + 4
@@ -195,8 +182,7 @@ def test_with_no_live_decode_node_queued_requests_fail_at_once(fleet: SimFleet) 
         results: list[httpx.Response] = []
 
         def queued() -> None:
-            body = {"model": "sim-model", "prompt": "q", "max_tokens": 2}
-            results.append(httpx.post(f"{router.url}/v1/completions", json=body, timeout=60))
+            results.append(complete(router, "q"))
 
         waiters = [threading.Thread(target=queued) for _ in range(3)]
         for waiter in waiters:
@@ -211,10 +197,7 @@ def test_with_no_live_decode_node_queued_requests_fail_at_once(fleet: SimFleet) 
         assert results[0].json()["error"]["message"] == "no live decode node"
         holder.join(10)
         assert len(holder.errors) == 1
-        fresh = httpx.post(
-            f"{router.url}/v1/completions", json={"model": "sim-model", "prompt": "x"}, timeout=10
-        )
-        assert fresh.status_code == 503
+        assert complete(router, "x").status_code == 503
         assert httpx.get(f"{router.url}/health").status_code == 503
         router.assert_idle()
 
@@ -224,12 +207,7 @@ def test_an_engine_400_leaves_the_node_healthy(fleet: SimFleet) -> None:
         for engine in fleet.decode:
             engine.configure(fail_status=400, fail_message="This model's maximum context length")
         for _ in range(5):
-            answer = httpx.post(
-                f"{router.url}/v1/completions",
-                json={"model": "sim-model", "prompt": "too long"},
-                timeout=10,
-            )
-            assert answer.status_code == 400
+            assert complete(router, "too long").status_code == 400
         nodes = admin(router, "GET", "/nodes").json()["nodes"]
         assert all(n["state"] == "serving" and n["consecutive_failures"] == 0 for n in nodes)
 
@@ -265,11 +243,7 @@ def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
             after = {n["url"]: n["id"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
             assert after == {**{u: i for u, i in ids.items() if u != d0.url}, d2.url: new_id}
             for i in range(6):
-                httpx.post(
-                    f"{router.url}/v1/completions",
-                    json={"model": "sim-model", "prompt": f"n {i}", "max_tokens": 2},
-                    timeout=10,
-                ).raise_for_status()
+                complete(router, f"n {i}").raise_for_status()
             assert d2.stats()["completed"] > 0
         router.assert_idle()
 
@@ -310,7 +284,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_requests(fleet: SimFleet) -
         router._process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):
-            httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "x"})
+            complete(router, "x")
         for stream in streams:
             stream.join(30)
             assert stream.completed(), stream.events

@@ -19,7 +19,7 @@ import pytest
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from tests.fleet.test_fleet_e2e import Stream, admin, echo, node_states
 from tests.fleet.test_fleet_e2e import router_for as fleet_router
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RouterProcess, complete, wait_for
 
 # Probes every 0.2 s, a probe slower than 1 s is a (soft) failure, 3 in a row make a node
 # unhealthy, 2 good ones readmit it. A healthy engine answers in milliseconds: the second
@@ -56,11 +56,6 @@ def bound_to(router: RouterProcess, url: str) -> set[str]:
     """The ids of the requests bound to the node at ``url``, as the admin API shows them."""
     nodes = admin(router, "GET", "/nodes").json()["nodes"]
     return set(next(n for n in nodes if n["url"] == url)["bound_requests"])
-
-
-def complete(router: RouterProcess, prompt: str, tokens: int = 2) -> httpx.Response:
-    body = {"model": "sim-model", "prompt": prompt, "max_tokens": tokens}
-    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
 
 
 def outcomes(router: RouterProcess) -> dict[str, float]:
