@@ -130,14 +130,15 @@ def report(shape: str, results: dict[str, Rounds]) -> dict[str, bool]:
     print(f"\n{shape} (medians over {len(results[CEILING].runs)} rounds)")
     print(
         f"  {'configuration':<30} {'cached':>7} {'of best':>8} {'prefills/node':>19} "
-        f"{'max/min (worst)':>15} {'TTFT p50':>9} {'p99':>8} {'p50/rr':>7} {'p99/rr':>7} {'errors':>6}"
+        f"{'max/min (worst)':>15} {'TTFT p50':>9} {'p99':>8} {'p50/rr':>7} {'p99/rr':>7} "
+        f"{'errors':>6}"
     )
     for name, rounds in results.items():
         last = rounds.runs[-1].prefills
         spread = rounds.spread()
-        vs = ("-", "-")
+        vs = ["-", "-"]
         if rr is not None:
-            vs = tuple(f"{rounds.ttft(q) / rr.ttft(q):.2f}" for q in (50, 99))  # type: ignore
+            vs = [f"{rounds.ttft(q) / rr.ttft(q):.2f}" for q in (50, 99)]
         print(
             f"  {rounds.label:<30} {rounds.share():>7.1%} {rounds.share() / best:>8.1%} "
             f"{'/'.join(map(str, last)):>19} "

@@ -289,7 +289,7 @@ class Prefix(PrefillPolicy):
 
 
 class Cost(Prefix):
-    """The node where the prefill is predicted to finish first (see the module docstring)."""
+    """The node where the prefill is predicted to cost least (see the module docstring)."""
 
     name = "cost"
     reads_prompt = True
