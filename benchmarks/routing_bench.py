@@ -1,8 +1,9 @@
 """Where prefills go, measured: four workload shapes through each prefill policy, beside
 round_robin and vllm-router's cache_aware on the same engines, in one run.
 
-    python benchmarks/routing_bench.py                       # ~5 minutes
+    python benchmarks/routing_bench.py                       # ~4 minutes
     python benchmarks/routing_bench.py --shapes chat rag     # some shapes only
+    python benchmarks/routing_bench.py --configs cost round_robin pair --rounds 5
     python benchmarks/routing_bench.py --install-vllm-router # once: gets vllm-router 0.1.17
 
 Simulated engines on 127.0.0.1: 4 prefill engines with ``--cache-blocks`` 16-token blocks of
@@ -13,12 +14,14 @@ cache: every prompt token any earlier request computed is a hit there. Per shape
 sessions at a time: the prompt tokens the prefill engines served from cache as a share of
 the ceiling's share, prefills per engine (max/min), TTFT p50/p99 as the client sees it.
 
-Configurations: pd-router with ``--prefill-policy cost`` (told each engine's cache size),
-the same with ``--max-local-prefill``, ``prefix`` and ``round_robin``; vllm-router
-``--policy cache_aware`` (if installed, see benchmarks/README.md); and ``cost`` through two
-routers sharing ``--state`` (a redis-server of the benchmark's own,
-``tests/redis_server.py``), every step of a session through the other one.
-Every process started is stopped by its PID on every exit path.
+Configurations (``--configs``): pd-router with ``--prefill-policy cost`` (told each engine's
+cache size), the same with ``--max-local-prefill``, ``prefix`` and ``round_robin``;
+vllm-router ``--policy cache_aware`` (if installed, see benchmarks/README.md); and ``cost``
+through two routers sharing ``--state`` (a redis-server of the benchmark's own,
+``tests/redis_server.py``), every step of a session through the other one. Each shape runs
+``--rounds`` times per configuration, interleaved, each round with other words; the table
+gives medians over rounds and each TTFT against round_robin's, then whether ``cost`` met
+issue 20's targets. Every process started is stopped by its PID on every exit path.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -68,30 +74,117 @@ def measure(
     return run
 
 
-def report(shape: str, runs: list[Run], best: Run) -> None:
-    print(f"\n{shape}")
-    header = (
+# The configurations, by the short name ``--configs`` takes, and their labels.
+COST, LOCAL, PREFIX, ROUND_ROBIN, CACHE_AWARE, PAIR, CEILING = (
+    "cost",
+    "local",
+    "prefix",
+    "round_robin",
+    "cache_aware",
+    "pair",
+    "ceiling",
+)
+CONFIGS = (COST, LOCAL, PREFIX, ROUND_ROBIN, CACHE_AWARE, PAIR, CEILING)
+# Issue 20's targets for ``cost``, per shape, in one run.
+TARGET_OF_BEST = 0.95
+TARGET_MAX_MIN = 1.5
+TARGET_PAIR_POINTS = 3.0
+
+
+@dataclass
+class Rounds:
+    """One configuration's runs of one shape, a run per round."""
+
+    label: str
+    runs: list[Run] = field(default_factory=list)
+
+    def share(self) -> float:
+        return statistics.median(run.cached_share for run in self.runs)
+
+    def ttft(self, q: float) -> float:
+        """The median over rounds of each round's percentile: one slow round (another
+        job's burst on this shared machine) moves it no more than one fast one."""
+        return statistics.median(run.ttft(q) for run in self.runs)
+
+    def spread(self) -> float:
+        """Prefills per engine, max over min (inf: an engine unused), the median round's."""
+        return statistics.median(_spread(run.prefills) for run in self.runs)
+
+    def worst_spread(self) -> float:
+        return max(_spread(run.prefills) for run in self.runs)
+
+    def errors(self) -> int:
+        return sum(run.errors for run in self.runs)
+
+
+def _spread(counts: list[int]) -> float:
+    if len(counts) < 2:
+        return 1.0
+    return max(counts) / min(counts) if min(counts) else float("inf")
+
+
+def report(shape: str, results: dict[str, Rounds]) -> dict[str, bool]:
+    """Print one shape's table and cost's targets; the targets, met or not."""
+    best = results[CEILING].share()
+    rr = results.get(ROUND_ROBIN)
+    print(f"\n{shape} (medians over {len(results[CEILING].runs)} rounds)")
+    print(
         f"  {'configuration':<30} {'cached':>7} {'of best':>8} {'prefills/node':>19} "
-        f"{'max/min':>7} {'TTFT p50':>9} {'p99':>8} {'errors':>6}"
+        f"{'max/min (worst)':>15} {'TTFT p50':>9} {'p99':>8} {'p50/rr':>7} {'p99/rr':>7} "
+        f"{'errors':>6}"
     )
-    print(header)
-    for run in [*runs, best]:
-        counts = run.prefills
-        spread = "/".join(str(count) for count in counts)
-        ratio = f"{max(counts) / max(min(counts), 1):.2f}" if len(counts) > 1 else "-"
-        if len(counts) > 1 and min(counts) == 0:
-            ratio = "inf"
+    for name, rounds in results.items():
+        last = rounds.runs[-1].prefills
+        spread = rounds.spread()
+        vs = ["-", "-"]
+        if rr is not None:
+            vs = [f"{rounds.ttft(q) / rr.ttft(q):.2f}" for q in (50, 99)]
         print(
-            f"  {run.name:<30} {run.cached_share:>7.1%} "
-            f"{run.cached_share / max(best.cached_share, 1e-9):>8.1%} {spread:>19} {ratio:>7} "
-            f"{run.ttft(50) * 1e3:>7.1f}ms {run.ttft(99) * 1e3:>6.1f}ms {run.errors:>6}",
+            f"  {rounds.label:<30} {rounds.share():>7.1%} {rounds.share() / best:>8.1%} "
+            f"{'/'.join(map(str, last)):>19} "
+            f"{'-' if len(last) < 2 else f'{spread:.2f} ({rounds.worst_spread():.2f})':>15} "
+            f"{rounds.ttft(50) * 1e3:>7.1f}ms {rounds.ttft(99) * 1e3:>6.1f}ms "
+            f"{vs[0]:>7} {vs[1]:>7} {rounds.errors():>6}",
             flush=True,
         )
+    cost = results.get(COST)
+    if cost is None:
+        return {}
+    met: dict[str, bool] = {}
+    share = cost.share() / best
+    met["share"] = share >= TARGET_OF_BEST
+    lines = [f"of best {share:.1%} >= {TARGET_OF_BEST:.0%}"]
+    met["spread"] = cost.spread() <= TARGET_MAX_MIN
+    lines.append(
+        f"max/min {cost.spread():.2f} <= {TARGET_MAX_MIN} (worst round {cost.worst_spread():.2f})"
+    )
+    if rr is not None:
+        for q in (50, 99):
+            met[f"p{q}"] = cost.ttft(q) <= rr.ttft(q)
+            lines.append(
+                f"TTFT p{q} {cost.ttft(q) * 1e3:.1f} <= round_robin's {rr.ttft(q) * 1e3:.1f} ms"
+            )
+    pair = results.get(PAIR)
+    if pair is not None:
+        points = (pair.share() - cost.share()) / best * 100
+        met["pair"] = abs(points) <= TARGET_PAIR_POINTS
+        lines.append(f"2 routers {points:+.1f} points of best, within {TARGET_PAIR_POINTS:.0f}")
+    for line, ok in zip(lines, met.values(), strict=True):
+        print(f"  target {'met ' if ok else 'MISSED'}  cost: {line}")
+    return met
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="configurations to run (the ceiling always runs)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved")
     parser.add_argument("--cache-blocks", type=int, default=400)
     parser.add_argument("--per-token", type=float, default=0.0001, help="prefill s per token")
     parser.add_argument(
@@ -102,13 +195,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-vllm-router", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     args = parser.parse_args(argv)
+    configs = set(args.configs) | {CEILING}
     executable = None
-    if not args.no_vllm_router:
+    if CACHE_AWARE in configs and not args.no_vllm_router:
         executable = args.vllm_router or find_vllm_router()
         if executable is None and args.install_vllm_router:
             executable = install_vllm_router(300)
         if executable is None:
             print("vllm-router not found: its rows are skipped (--install-vllm-router)")
+    if executable is None:
+        configs.discard(CACHE_AWARE)
     engine_args = [
         "--block-size",
         str(BLOCK),
@@ -125,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         *("--standalone", "--slots", "512", "--ttft", "0", "--itl", "0"),
     ]
     router_args = ["--decode-slots", "256", "--queue-timeout", "60", "--log-level", "warning"]
-    document: dict[str, object] = {"cache_blocks": args.cache_blocks, "shapes": {}}
+    document: dict[str, Any] = {
+        "cache_blocks": args.cache_blocks,
+        "rounds": args.rounds,
+        "shapes": {},
+    }
     with ExitStack() as stack:
         stack.callback(raise_on_sigterm())
         prefill = [EngineProcess("prefill", bounded) for _ in range(4)]
@@ -140,36 +240,35 @@ def main(argv: Sequence[str] | None = None) -> None:
             return process
 
         cache_tokens = str(args.cache_blocks * BLOCK)
-        routers: dict[str, ServerProcess] = {
-            "cost": router(urls, "--prefill-policy", "cost", "--engine-cache-tokens", cache_tokens),
-            f"cost, --max-local-prefill {args.local}": router(
-                urls,
-                "--prefill-policy",
-                "cost",
-                "--engine-cache-tokens",
-                cache_tokens,
-                "--max-local-prefill",
-                str(args.local),
-            ),
-            "prefix": router(urls, "--prefill-policy", "prefix"),
-            "round_robin": router(urls, "--prefill-policy", "round_robin"),
-        }
-        if executable is not None:
-            routers["vllm-router cache_aware"] = VllmRouterProcess(
-                executable, urls, decode_urls, policy="cache_aware"
+        cost = ["--prefill-policy", "cost", "--engine-cache-tokens", cache_tokens]
+        # name: (label, its routers, the prefill engines it sends to)
+        setups: dict[str, tuple[str, list[ServerProcess], list[EngineProcess]]] = {}
+        if COST in configs:
+            setups[COST] = ("cost", [router(urls, *cost)], prefill)
+        if LOCAL in configs:
+            local = [router(urls, *cost, "--max-local-prefill", str(args.local))]
+            setups[LOCAL] = (f"cost, --max-local-prefill {args.local}", local, prefill)
+        if PREFIX in configs:
+            setups[PREFIX] = ("prefix", [router(urls, "--prefill-policy", "prefix")], prefill)
+        if ROUND_ROBIN in configs:
+            setups[ROUND_ROBIN] = (
+                "round_robin",
+                [router(urls, "--prefill-policy", "round_robin")],
+                prefill,
             )
+        if executable is not None:
+            vllm_router = VllmRouterProcess(executable, urls, decode_urls, policy="cache_aware")
+            setups[CACHE_AWARE] = ("vllm-router cache_aware", [vllm_router], prefill)
+        if PAIR in configs:
+            redis = stack.enter_context(RedisServer())
+            pair: list[ServerProcess] = [
+                router(urls, *cost, "--state", redis.url) for _ in range(2)
+            ]
+            setups[PAIR] = ("cost, 2 routers, --state", pair, prefill)
         ceiling = router([single.url], "--prefill-policy", "round_robin")
-        redis = stack.enter_context(RedisServer())
-        shared = ["--prefill-policy", "cost", "--engine-cache-tokens", cache_tokens]
-        pair = [router(urls, *shared, "--state", redis.url) for _ in range(2)]
-        processes: list[ServerProcess] = [
-            *prefill,
-            single,
-            *decode,
-            *routers.values(),
-            *pair,
-            ceiling,
-        ]
+        setups[CEILING] = ("1 node, unbounded cache", [ceiling], [single])
+        processes: list[ServerProcess] = [*prefill, single, *decode]
+        processes += [process for _, routers, _ in setups.values() for process in routers]
         for process in processes:
             stack.callback(process.stop)
             process.start()
@@ -178,30 +277,46 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"4 prefill engines, {args.cache_blocks} blocks of {BLOCK} tokens of cache each, "
             f"{args.per_token * 1e6:.0f} us per uncached token, one prefill at a time; "
-            "2 decode engines; 8 sessions at a time",
+            f"2 decode engines; 8 sessions at a time; {args.rounds} rounds, the "
+            "configurations interleaved (each round in another order)",
             flush=True,
         )
-        for name in args.shapes:
-            shape = SHAPES[name]()
-            runs = [
-                measure(label, [process], prefill, decode, shape)
-                for label, process in routers.items()
-            ]
-            runs.append(measure("cost, 2 routers, --state", pair, prefill, decode, shape))
-            best = measure("1 node, unbounded cache", [ceiling], [single], decode, shape)
-            report(name, runs, best)
-            document["shapes"][name] = [  # type: ignore[index]
-                {
-                    "name": run.name,
-                    "cached_share": run.cached_share,
-                    "of_best": run.cached_share / max(best.cached_share, 1e-9),
-                    "prefills": run.prefills,
-                    "ttft_p50": run.ttft(50),
-                    "ttft_p99": run.ttft(99),
-                    "errors": run.errors,
-                }
-                for run in [*runs, best]
-            ]
+        names = list(setups)
+        missed: list[str] = []
+        for shape_name in args.shapes:
+            results = {name: Rounds(setups[name][0]) for name in names}
+            for number in range(args.rounds):
+                # Each round the shape with other words: no router (nor engine, though
+                # each run empties their caches) has seen its prompts before.
+                shape = SHAPES[shape_name](variant=number)
+                # Rotated each round: no configuration always runs first, or after the
+                # heaviest one.
+                turn = number % len(names)
+                for name in names[turn:] + names[:turn]:
+                    label, routers, engines = setups[name]
+                    others = [*decode, *(engine for engine in prefill if engine not in engines)]
+                    results[name].runs.append(measure(label, routers, engines, others, shape))
+            met = report(shape_name, results)
+            missed += [f"{shape_name}: {target}" for target, ok in met.items() if not ok]
+            document["shapes"][shape_name] = {
+                "targets": met,
+                "configurations": [
+                    {
+                        "name": rounds.label,
+                        "cached_share": rounds.share(),
+                        "of_best": rounds.share() / results[CEILING].share(),
+                        "prefills": [run.prefills for run in rounds.runs],
+                        "max_min": rounds.spread(),
+                        "max_min_worst": rounds.worst_spread(),
+                        "ttft_p50": rounds.ttft(50),
+                        "ttft_p99": rounds.ttft(99),
+                        "errors": rounds.errors(),
+                    }
+                    for rounds in results.values()
+                ],
+            }
+        if COST in configs:
+            print(f"\ncost's targets: {'all met' if not missed else 'missed ' + ', '.join(missed)}")
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=2))
 

@@ -52,16 +52,20 @@ class Shape:
     answer_tokens: int
 
 
-def chat(conversations: int = 32, turns: int = 4, system: int = 300, user: int = 40) -> Shape:
-    prompt = words("s", system, "chat")
+def chat(
+    conversations: int = 32, turns: int = 4, system: int = 300, user: int = 40, variant: int = 0
+) -> Shape:
+    prompt = words("s", system, ("chat", variant))
 
     def session(index: int) -> Session:
         def step(turn: int, answers: list[str]) -> tuple[str, dict[str, Any]]:
             messages = [{"role": "system", "content": prompt}]
             for earlier in range(turn):
-                messages.append({"role": "user", "content": words("u", user, (index, earlier))})
+                messages.append(
+                    {"role": "user", "content": words("u", user, (index, earlier, variant))}
+                )
                 messages.append({"role": "assistant", "content": answers[earlier]})
-            messages.append({"role": "user", "content": words("u", user, (index, turn))})
+            messages.append({"role": "user", "content": words("u", user, (index, turn, variant))})
             return "/v1/chat/completions", {"messages": messages}
 
         return Session(turns, step)
@@ -70,16 +74,17 @@ def chat(conversations: int = 32, turns: int = 4, system: int = 300, user: int =
 
 
 def completions(
-    conversations: int = 32, turns: int = 4, opening: int = 400, user: int = 40
+    conversations: int = 32, turns: int = 4, opening: int = 400, user: int = 40, variant: int = 0
 ) -> Shape:
-    shared = words("o", opening, "completions")
+    shared = words("o", opening, ("completions", variant))
 
     def session(index: int) -> Session:
         def step(turn: int, answers: list[str]) -> tuple[str, dict[str, Any]]:
             text = shared
             for earlier in range(turn):
-                text += f" User: {words('u', user, (index, earlier))} Assistant:{answers[earlier]}"
-            text += f" User: {words('u', user, (index, turn))} Assistant:"
+                asked = words("u", user, (index, earlier, variant))
+                text += f" User: {asked} Assistant:{answers[earlier]}"
+            text += f" User: {words('u', user, (index, turn, variant))} Assistant:"
             return "/v1/completions", {"prompt": text}
 
         return Session(turns, step)
@@ -87,8 +92,14 @@ def completions(
     return Shape("completions", [session(index) for index in range(conversations)], 40)
 
 
-def rag(questions: int = 64, documents: int = 4, length: int = 1000, question: int = 30) -> Shape:
-    texts = [words("d", length, ("doc", number)) for number in range(documents)]
+def rag(
+    questions: int = 64,
+    documents: int = 4,
+    length: int = 1000,
+    question: int = 30,
+    variant: int = 0,
+) -> Shape:
+    texts = [words("d", length, ("doc", number, variant)) for number in range(documents)]
     rng = random.Random("rag")
     # Skewed: document k is asked about half as often as document k-1.
     weights = [2.0**-number for number in range(documents)]
@@ -98,7 +109,7 @@ def rag(questions: int = 64, documents: int = 4, length: int = 1000, question: i
         def step(turn: int, answers: list[str]) -> tuple[str, dict[str, Any]]:
             messages = [
                 {"role": "system", "content": texts[picks[index]]},
-                {"role": "user", "content": words("q", question, index)},
+                {"role": "user", "content": words("q", question, (index, variant))},
             ]
             return "/v1/chat/completions", {"messages": messages}
 
@@ -107,18 +118,22 @@ def rag(questions: int = 64, documents: int = 4, length: int = 1000, question: i
     return Shape("rag", [session(index) for index in range(questions)], 40)
 
 
-def agent(loops: int = 16, steps: int = 6, preamble: int = 500, output: int = 60) -> Shape:
-    tools = words("t", preamble, "agent")
+def agent(
+    loops: int = 16, steps: int = 6, preamble: int = 500, output: int = 60, variant: int = 0
+) -> Shape:
+    tools = words("t", preamble, ("agent", variant))
 
     def session(index: int) -> Session:
         def step(turn: int, answers: list[str]) -> tuple[str, dict[str, Any]]:
             messages = [
                 {"role": "system", "content": tools},
-                {"role": "user", "content": words("g", 20, index)},
+                {"role": "user", "content": words("g", 20, (index, variant))},
             ]
             for earlier in range(turn):
                 messages.append({"role": "assistant", "content": answers[earlier]})
-                messages.append({"role": "user", "content": words("r", output, (index, earlier))})
+                messages.append(
+                    {"role": "user", "content": words("r", output, (index, earlier, variant))}
+                )
             return "/v1/chat/completions", {"messages": messages}
 
         return Session(steps, step)
@@ -126,15 +141,15 @@ def agent(loops: int = 16, steps: int = 6, preamble: int = 500, output: int = 60
     return Shape("agent", [session(index) for index in range(loops)], 30)
 
 
-def short(questions: int = 64, system: int = 30, question: int = 20) -> Shape:
+def short(questions: int = 64, system: int = 30, question: int = 20, variant: int = 0) -> Shape:
     """Single short questions behind a short system prompt: what a local prefill is for."""
-    prompt = words("s", system, "short")
+    prompt = words("s", system, ("short", variant))
 
     def session(index: int) -> Session:
         def step(turn: int, answers: list[str]) -> tuple[str, dict[str, Any]]:
             messages = [
                 {"role": "system", "content": prompt},
-                {"role": "user", "content": words("q", question, index)},
+                {"role": "user", "content": words("q", question, (index, variant))},
             ]
             return "/v1/chat/completions", {"messages": messages}
 
@@ -143,7 +158,9 @@ def short(questions: int = 64, system: int = 30, question: int = 20) -> Shape:
     return Shape("short", [session(index) for index in range(questions)], 20)
 
 
-SHAPES: dict[str, Callable[[], Shape]] = {
+# Each shape by name; ``variant`` gives the same shape with other words (another round of
+# a benchmark: prompts no engine or router has seen).
+SHAPES: dict[str, Callable[..., Shape]] = {
     "chat": chat,
     "completions": completions,
     "rag": rag,

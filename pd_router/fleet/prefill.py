@@ -20,14 +20,24 @@ instead of piling up, and the node carrying the least always qualifies (least <=
 Outstanding prefills are the requests bound to the node (``Node.bound``, which the fleet
 keeps from the prefill request's start to its end on every path).
 
-``cost`` picks the node where the prefill is predicted to finish first: the prompt's
-tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt
-this router sent there and the node has not evicted since) plus the uncached tokens of the
-prefills this router has waiting or running there. Ties go to the node the prompt's first
+``cost`` weighs, for each node, what sending the prefill there costs: twice the prompt's
+tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt this
+router sent there and the node has not evicted since), plus the uncached tokens of the
+prefills this router has waiting or running there. Computing a token again costs twice
+what waiting for one does: the request waits for it, and so does whatever queues behind it
+on that engine, while a wait delays this request only. So a conversation's later turn
+stays where its history is until the work waiting there exceeds twice what moving would
+recompute, and a hot document or preamble is computed on another node when load requires
+it. Load is bounded as ``prefix`` bounds it (a node with more of this router's prefills in
+flight than ``LOAD_FACTOR`` x the mean + 1 is passed over), and a share term levels the
+request counts: a node given more of the last few prefills than the mean plus a band
+costs the mean prompt's tokens more per prefill beyond it, one given fewer that less. A
+prompt that continues the one earlier prompt a node holds (a conversation's next turn,
+not a new conversation behind a shared opening) gets a wider band: moving it recomputes
+its history, and new conversations level the counts at the price of an opening at most.
+Ties go to the node given the fewest recent prefills, then to the node the prompt's first
 chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
-spreads conversations. A share term balances it: a node given more than its share of this
-router's recent prefills costs the mean prefill's work more per prefill over its share,
-one given less costs less.
+spreads new conversations alike on every router.
 
 ``least_loaded`` picks the node with the fewest outstanding prefills (ties in turn);
 ``round_robin`` takes the nodes in turn.
@@ -57,17 +67,37 @@ KEY_IDS = KEY_CHARS // 4
 # The load a node may carry over the mean before its keys spill (the c of bounded loads):
 # 1.25 keeps the busiest node within 25% (+1) of the mean and most keys at home.
 LOAD_FACTOR = 1.25
-# The cost policy's balance: of the last RECENT_PER_NODE x nodes prefills, each one a node
-# was given over its share, beyond one, adds SHARE_WEIGHT x the mean prefill's work
-# (uncached tokens) to its cost (each one under, beyond one, takes it off): what one more
-# prefill there is predicted to cost. Without it a shared opening (a system prompt) makes
-# the first node that holds it the cheapest for every new conversation while prefills are
-# too quick to queue:
-# one engine's cache would hold every conversation and the others idle. A soft term moves
-# what is cheap to move first (a new conversation, which gives up a shared opening), not a
-# conversation's later turn (which would give up all of it), as a hard bound would.
-RECENT_PER_NODE = 32
+# The cost policy. A prompt token a node would compute costs MISS_WEIGHT x a token of work
+# already waiting there: recomputing delays this request and whatever queues behind it on
+# that engine, waiting delays this request only. Others weigh the same two terms: Dynamo's
+# KV router costs a worker ``overlap_score_weight x prefill blocks + decode blocks``
+# (prefill blocks: the prompt's uncached blocks plus those already queued; softmax over
+# the costs with ``--router-temperature``, 0 by default: the cheapest), llm-d's default
+# scheduler profile weighs its prefix-cache scorer 3 to its queue scorer's 2, SGLang's
+# cache_aware follows the longest match unless the loads differ by more than
+# ``balance_abs_threshold`` (64) and ``balance_rel_threshold`` (1.5x). At 1 (finish first)
+# a conversation's later turn left its engine for one idle token of difference and
+# recomputed its history elsewhere (``benchmarks/route_replay.py --trace``: 20-30 turns of
+# the chat and agent shapes each run).
+MISS_WEIGHT = 2.0
+# The share term: of the last RECENT_PER_NODE x nodes prefills, each one a node was given
+# over the mean plus a band (SHARE_SLACK x the mean + SHARE_BAND) costs SHARE_WEIGHT x the
+# recent prompts' mean size more (each one under it, that less). A prefill engine's work
+# per request is not only what it computes: it sends the whole prompt's KV to a decode
+# engine, cached or not. Without the term a hot document or a shared opening makes the
+# node that holds it the cheapest for every request while prefills are too quick to
+# queue (one engine busy, the others idle). The window is short (a few prefills per node)
+# so that what a router did for one workload does not steer the next one.
+RECENT_PER_NODE = 8
 SHARE_WEIGHT = 1.0
+SHARE_SLACK = 0.1
+SHARE_BAND = 0.5
+# A conversation's next turn (a prompt continuing the one prompt a node holds, see
+# ``Cost._continues``) is moved by the share term only beyond a wider band: moving it
+# recomputes its history, which nothing amortises (moving a new conversation gives up at
+# most a shared opening, once per node). New conversations level the counts instead.
+CONT_SLACK = 0.25
+CONT_BAND = 2.0
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -259,77 +289,113 @@ class Prefix(PrefillPolicy):
 
 
 class Cost(Prefix):
-    """The node where the prefill is predicted to finish first (see the module docstring)."""
+    """The node where the prefill is predicted to cost least (see the module docstring)."""
 
     name = "cost"
     reads_prompt = True
 
     def __init__(self, nodes: Sequence[Node], view: KvView | None = None) -> None:
         super().__init__(nodes, view)
-        # Uncached prompt tokens of this router's prefills placed on each node, by id.
+        # Uncached prompt tokens of this router's prefills placed on each node, by id,
+        # and how many there are.
         self.waiting: dict[int, int] = {}
-        # The last ``RECENT_PER_NODE`` x nodes placements (node id, uncached tokens), how
-        # many each node was given, and their uncached tokens in all.
+        self._inflight: dict[int, int] = {}
+        # The last ``RECENT_PER_NODE`` x nodes placements (node id, prompt chunks), how
+        # many each node was given, and their chunks in all: chunks, not tokens, so that
+        # those placed before the engines' counts calibrated the router's estimate weigh
+        # in the engines' tokens all the same.
         self._recent: deque[tuple[int, int]] = deque()
         self._counts: dict[int, int] = {}
-        self._tokens = 0
+        self._chunks = 0
+        # (node id, last chunk) of the prompts placed on each node, the last RECENT_KEYS,
+        # and how many ended there (2: more). A prompt whose held prefix there ends where
+        # one earlier prompt ended, and goes on, continues it (a conversation's next
+        # turn). Where two ended (a document's last whole chunk, the questions' own
+        # words in its partial tail), what is held is shared.
+        self._ends: dict[tuple[int, int], int] = {}
 
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
-        # The share term: a node given more than its share of the recent prefills costs
-        # the mean prefill's work more per prefill over, one given less costs that less.
+        # Bounded loads on this router's prefills in flight, as ``prefix`` bounds them:
+        # a burst of new conversations behind one shared opening does not all queue on
+        # the node that holds it (each adds only its own few tokens of work there).
+        inflight = self._inflight
+        limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
+        live = [node for node in live if inflight.get(node.id, 0) <= limit]
+        helds = [view.of(node.id).held(chunks) for node in live]
+        weight = SHARE_WEIGHT * self._chunks / max(len(self._recent), 1) * prompt.chunk_tokens
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
-        weight = SHARE_WEIGHT * self._tokens / max(len(self._recent), 1)
+        band = SHARE_SLACK * mean + SHARE_BAND
+        if any(self._continues(node.id, held, chunks) for node, held in zip(live, helds)):
+            band = CONT_SLACK * mean + CONT_BAND
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
-        for node in live:
-            held = view.of(node.id).held(chunks)
-            share = _beyond_one(counts.get(node.id, 0) - mean) * weight
-            cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0) + share
+        for node, held in zip(live, helds):
+            uncached = prompt.tokens - prompt.cached(held)
+            share = _beyond(counts.get(node.id, 0) - mean, band) * weight
+            cost = MISS_WEIGHT * uncached + waiting.get(node.id, 0) + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
                 best.append(node)
                 deepest = max(deepest, held)
+        if len(best) > 1:
+            # Ties (nothing known, or an opening every node holds, none busy): the node
+            # given the fewest recent new sessions, which levels them.
+            fewest = min(counts.get(node.id, 0) for node in best)
+            best = [node for node in best if counts.get(node.id, 0) == fewest]
         if len(best) == 1:
             return best[0]
-        # Ties go by the first chunk none of the tied nodes holds, which names what is new
-        # in this prompt (a conversation's latest turn, the question after a shared
+        # Still tied: by the first chunk none of the tied nodes holds, which names what is
+        # new in this prompt (a conversation's latest turn, the question after a shared
         # document): ranking by it spreads conversations, and every router ranks alike.
         if deepest < len(chunks):
             key = chunks[deepest]
         salts = self._salts
         return max(best, key=lambda node: _mix(key ^ salts[node.url]))
 
+    def _continues(self, node_id: int, held: int, chunks: list[int]) -> bool:
+        """Whether the prompt continues one earlier prompt the node holds: what it holds
+        of it ends where that prompt ended (and only that one), and the prompt goes on."""
+        return 0 < held < len(chunks) and self._ends.get((node_id, chunks[held - 1])) == 1
+
     def place(self, node: Node, key: int, prompt: Prompt | None = None) -> Placement:
         prompt = prompt or _UNKNOWN
-        holdings = self.view.of(node.id)
-        cached = prompt.cached(holdings.held(prompt.chunks))
+        held = self.view.of(node.id).held(prompt.chunks)
+        cached = prompt.cached(held)
         work = prompt.tokens - cached
         self.waiting[node.id] = self.waiting.get(node.id, 0) + work
+        self._inflight[node.id] = self._inflight.get(node.id, 0) + 1
+        self._count(node.id, held, prompt.chunks)
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
-        self._count(node.id, work)
         return Placement(node, cached > 0, cached, work)
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
         holdings = self.view.of(node.id)
-        work = prompt.tokens - prompt.cached(holdings.held(prompt.chunks))
+        self._count(node.id, holdings.held(prompt.chunks), prompt.chunks)
         holdings.insert(prompt.chunks)
-        self._count(node.id, work)
 
-    def _count(self, node_id: int, tokens: int) -> None:
+    def _count(self, node_id: int, held: int, chunks: list[int]) -> None:
+        """A prompt placed on the node, of which it held ``held`` chunks: a new session
+        (not a continuation) counts towards the node's share."""
+        if not chunks:
+            return
+        ends, end = self._ends, (node_id, chunks[-1])
+        ends[end] = min(ends.pop(end, 0) + 1, 2)
+        if len(ends) > RECENT_KEYS:
+            del ends[next(iter(ends))]
         recent, counts = self._recent, self._counts
-        recent.append((node_id, tokens))
+        recent.append((node_id, len(chunks)))
         counts[node_id] = counts.get(node_id, 0) + 1
-        self._tokens += tokens
+        self._chunks += len(chunks)
         if len(recent) > RECENT_PER_NODE * max(len(self.nodes), 1):
-            gone, gone_tokens = recent.popleft()
+            gone, gone_chunks = recent.popleft()
             counts[gone] -= 1
-            self._tokens -= gone_tokens
+            self._chunks -= gone_chunks
 
     def release(self, placement: Placement) -> None:
         node_id = placement.node.id
@@ -338,12 +404,16 @@ class Cost(Prefix):
             self.waiting[node_id] = left
         else:
             self.waiting.pop(node_id, None)
+        inflight = self._inflight.get(node_id, 0) - 1
+        if inflight > 0:
+            self._inflight[node_id] = inflight
+        else:
+            self._inflight.pop(node_id, None)
 
 
-def _beyond_one(excess: float) -> float:
-    """Prefills over (or under) a node's share, less the one any node may be off by: the
-    first prefills of a run move nothing."""
-    return max(excess - 1, 0.0) + min(excess + 1, 0.0)
+def _beyond(excess: float, band: float) -> float:
+    """Prefills over (or under) a node's share beyond the band any node may be off by."""
+    return max(excess - band, 0.0) + min(excess + band, 0.0)
 
 
 def _load(node: Node) -> int:

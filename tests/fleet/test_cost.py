@@ -1,0 +1,123 @@
+"""The ``cost`` prefill policy's decisions (``fleet/prefill.py``), with no server: what a
+production router should do with a conversation's later turn, a hot document and a new
+conversation, each checked against the policy's own arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pd_router.fleet.holdings import CHUNK_BYTES, describe
+from pd_router.fleet.nodes import Node, make_nodes
+from pd_router.fleet.prefill import LOAD_FACTOR, MISS_WEIGHT, Cost
+
+# A shared opening far longer than any fixed cut, then each conversation's own turns.
+OPENING = "Instructions for the agent, to follow to the letter. " * 160
+
+
+def prefill_nodes(count: int) -> list[Node]:
+    return make_nodes([f"http://p{index}:8100" for index in range(count)], 1, role="prefill")
+
+
+def completion(conversation: int, turns: int) -> dict[str, object]:
+    text = OPENING + "".join(
+        f"Q{conversation}.{turn}: what next? A: this, at length. " * 12 for turn in range(turns + 1)
+    )
+    return {"model": "m", "prompt": text}
+
+
+def place(policy: Cost, body: dict[str, object]) -> tuple[Node, int]:
+    """Pick and place one prefill and release it (nothing waits): where, and the tokens
+    it was predicted to compute."""
+    prompt = describe(body)
+    node = policy.pick(0, prompt=prompt)
+    assert node is not None
+    placement = policy.place(node, 0, prompt)
+    policy.release(placement)
+    return node, placement.work
+
+
+def test_a_later_turn_stays_unless_the_wait_there_costs_more_than_recomputing_twice() -> None:
+    """Finishing first is not the goal: a turn moved to an idle node recomputes its
+    history there, which whatever queues behind it on that node waits for too. It moves
+    only when the work waiting at home exceeds MISS_WEIGHT x what it would recompute."""
+    nodes = prefill_nodes(2)
+    policy = Cost(nodes)
+    home, _ = place(policy, completion(1, 0))
+    other = next(node for node in nodes if node is not home)
+    # Another conversation on the other node: both hold the opening, each its own turn,
+    # and each was given one prefill (no share term either way).
+    policy.release(policy.place(other, 0, describe(completion(2, 0))))
+    later = describe(completion(1, 1))
+    # What moving would recompute: the first turn, held at home only.
+    opening = len(OPENING.encode()) // CHUNK_BYTES
+    first = describe(completion(1, 0))
+    saving = later.cached(len(first.chunks)) - later.cached(opening)
+    assert saving > 0
+    # Waiting at home longer than the turn's history takes to recompute (the old policy,
+    # finishing first, moved here) but shorter than MISS_WEIGHT times it: home.
+    policy.waiting[home.id] = int(saving * (1 + MISS_WEIGHT) / 2)
+    assert policy.waiting[home.id] > saving
+    assert policy.pick(0, prompt=later) is home
+    # Longer than that: the idle node.
+    policy.waiting[home.id] = int(saving * MISS_WEIGHT) + 64
+    assert policy.pick(0, prompt=later) is other
+
+
+def test_a_new_conversation_goes_to_the_node_given_fewest_prefills_when_costs_tie() -> None:
+    """Every node holds the shared opening and none is busy: the new conversation goes
+    where the fewest recent prefills went, not where a hash happens to rank first (which
+    over 32 conversations left one node of four with twice another's)."""
+    for conversation in range(20):
+        nodes = prefill_nodes(4)
+        policy = Cost(nodes)
+        # Three nodes each prefilled one other conversation (heard, as from a router
+        # sharing --state); the fourth holds the opening too, and was given nothing.
+        for index, node in enumerate(nodes[:3]):
+            policy.heard(node, describe(completion(100 + index, 0)))
+        policy.view.of(nodes[3].id).insert(describe(completion(99, 0)).chunks)
+        assert policy.pick(0, prompt=describe(completion(conversation, 0))) is nodes[3]
+
+
+def test_a_burst_of_new_conversations_behind_one_opening_is_bounded_per_node() -> None:
+    """Eight new conversations at once behind an opening no node holds, nothing released,
+    on a router that has served other traffic: after the first, the node computing the
+    opening is the cheapest for each (each adds only its own few tokens of work there, and
+    recomputing the opening elsewhere costs twice its tokens), but none carries more in
+    flight than bounded loads allow, LOAD_FACTOR x the mean + 1, as ``prefix`` bounds it
+    (without the bound, four of them queued on each of two nodes)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    other = "Some other opening entirely, for the earlier traffic. " * 160
+    for earlier in range(8):
+        for node in nodes:
+            body = {"model": "m", "prompt": other + f"conversation {node.id}.{earlier} " * 30}
+            policy.heard(node, describe(body))
+    inflight: Counter[int] = Counter()
+    for conversation in range(8):
+        prompt = describe(completion(conversation, 0))
+        node = policy.pick(0, prompt=prompt)
+        assert node is not None
+        limit = LOAD_FACTOR * sum(inflight.values()) / len(nodes) + 1
+        assert inflight[node.id] <= limit, (conversation, inflight)
+        policy.place(node, 0, prompt)
+        inflight[node.id] += 1
+    assert max(inflight.values()) <= 3, inflight
+
+
+def test_a_later_turn_is_not_moved_by_counts_a_new_conversation_avoids() -> None:
+    """Its home was given a few more of the recent prefills than the others: a new
+    conversation goes elsewhere, but the conversation's next turn stays home, where its
+    history is (before, the share term moved it and it recomputed its first turn)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    home = nodes[0]
+    # Every node holds the opening; home holds conversation 1's first turn too, and
+    # was given three more prefills than each of the others.
+    for index, node in enumerate(nodes):
+        policy.heard(node, describe(completion(100 + index, 0)))
+    policy.heard(home, describe(completion(1, 0)))
+    for index in range(2):
+        policy.heard(home, describe(completion(200 + index, 0)))
+    assert policy.pick(0, prompt=describe(completion(2, 0))) is not home
+    assert policy.pick(0, prompt=describe(completion(1, 1))) is home
