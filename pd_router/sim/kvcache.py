@@ -114,14 +114,20 @@ class PrefixCache:
 
     def insert(self, hashes: list[int]) -> tuple[list[int], list[int]]:
         """The blocks were used (computed or read): most recent now, the oldest evicted.
-        Returns the hashes newly stored and those evicted (for KV events)."""
+        Returns the hashes newly stored, in prompt order, and those evicted (for KV events).
+
+        vLLM frees a finished request's blocks last to first
+        (``free_blocks(reversed(...))`` in ``single_type_kv_cache_manager.py``), so a
+        prompt's tail is evicted before its opening; touching them in that order here does
+        the same."""
         stored = []
-        for block_hash in hashes:
+        for block_hash in reversed(hashes):
             if block_hash in self._seen:
                 del self._seen[block_hash]
             else:
                 stored.append(block_hash)
             self._seen[block_hash] = None
+        stored.reverse()
         removed = []
         while len(self._seen) > self.capacity:
             oldest = next(iter(self._seen))

@@ -182,7 +182,9 @@ def test_prefix_cache_evicts_the_least_recently_used_blocks() -> None:
     cached(cache, list("pq"))  # evicts the oldest: the block "cd"
     assert cache.blocks == 4
     assert cached(cache, list("abcd")) == 2, "ab kept, cd evicted"
-    assert cached(cache, list("wxyz")) == 0, "wx was the oldest when cd came back"
+    # As vLLM frees a request's blocks last to first: a prompt's tail goes before its
+    # opening.
+    assert cached(cache, list("wxyz")) == 2, "yz was the oldest when cd came back, not wx"
     cache.clear()
     assert cache.blocks == 0 and cached(cache, list("ab")) == 0
 
@@ -498,5 +500,6 @@ def test_a_prefill_engine_computes_at_most_its_concurrency_at_once() -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        # 20 uncached tokens at 10 ms: 0.2 s each, one after the other.
-        assert max(done) - started >= 0.4 and min(done) - started < 0.35
+        # 20 uncached tokens at 10 ms: 0.2 s each, one after the other (a bound on how
+        # late the first may end would only measure the machine's load).
+        assert max(done) - started >= 0.4 and max(done) - min(done) >= 0.19
