@@ -147,9 +147,16 @@ class RecentPrefixes:
 class Placement:
     """A prefill sent to ``node``: what was predicted of it, until ``PrefillPolicy.release``."""
 
-    __slots__ = ("node", "hit", "cached", "work")
+    __slots__ = ("node", "hit", "cached", "work", "source")
 
-    def __init__(self, node: Node, hit: bool, cached: int | None = None, work: int = 0) -> None:
+    def __init__(
+        self,
+        node: Node,
+        hit: bool,
+        cached: int | None = None,
+        work: int = 0,
+        source: str = "prediction",
+    ) -> None:
         self.node = node
         # The prefix policy: this router last sent the prefix key here. The cost policy:
         # some of the prompt is predicted cached here.
@@ -158,6 +165,8 @@ class Placement:
         self.cached = cached
         # Prompt tokens predicted to be computed: the node's waiting work until released.
         self.work = work
+        # What ``cached`` came from: "events" (the node's KV events) or "prediction".
+        self.source = source
 
 
 class PrefillPolicy:
@@ -283,10 +292,14 @@ class Cost(Prefix):
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
+        if view.live:
+            view.match(prompt)  # before any cost: it may count the prompt's tokens better
         for node in live:
             held = view.of(node.id).held(chunks)
             share = _beyond_one(counts.get(node.id, 0) - mean) * weight
-            cost = prompt.tokens - prompt.cached(held) + waiting.get(node.id, 0) + share
+            cost = (
+                prompt.tokens - view.cached(node.id, prompt, held) + waiting.get(node.id, 0) + share
+            )
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
@@ -305,14 +318,14 @@ class Cost(Prefix):
     def place(self, node: Node, key: int, prompt: Prompt | None = None) -> Placement:
         prompt = prompt or _UNKNOWN
         holdings = self.view.of(node.id)
-        cached = prompt.cached(holdings.held(prompt.chunks))
-        work = prompt.tokens - cached
+        cached = self.view.cached(node.id, prompt, holdings.held(prompt.chunks))
+        work = max(prompt.tokens - cached, 0)
         self.waiting[node.id] = self.waiting.get(node.id, 0) + work
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
         self._count(node.id, work)
-        return Placement(node, cached > 0, cached, work)
+        return Placement(node, cached > 0, cached, work, self.view.source(node.id, prompt))
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
