@@ -40,8 +40,9 @@ def block_keys(ids: Sequence[int], block_size: int, parent: int = 0) -> list[int
     """The key of each whole block of ``ids``, chained from ``parent`` (a partial last block
     is never cached)."""
     keys = []
+    ids = tuple(ids)  # sliced into tuples at once
     for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(ids[start : start + block_size])))
+        parent = hash((parent, ids[start : start + block_size]))
         keys.append(parent)
     return keys
 
@@ -92,9 +93,10 @@ class BlockIndex:
             # block size is what a run of blocks says.
             self.block_size = max(self.block_size, block_size)
         names, held = self._names, self._held
+        ids = tuple(ids)  # sliced into tuples at once
         for index, block_hash in enumerate(hashes):
             start = index * block_size
-            tokens = tuple(ids[start : start + block_size])
+            tokens = ids[start : start + block_size]
             salt = extra[index] if extra is not None and index < len(extra) else None
             try:
                 key = hash((key, tokens)) if salt is None else hash((key, tokens, repr(salt)))
