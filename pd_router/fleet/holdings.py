@@ -19,7 +19,9 @@ binary search: O(log chunks) dict lookups per engine, whatever the number of con
 
 Like llm-d's approximate prefix scorer (characters as tokens, a rolling hash chain over
 fixed blocks, an LRU index per pod) and Dynamo's ``ApproxKvIndexer`` (the router's own
-routing decisions, no events), this predicts from where this router sent prompts.
+routing decisions, no events), this predicts from where this router sent prompts. Where an
+engine's KV events are live and the prompt's text was learned, ``KvView.cached`` answers
+from them instead (``fleet/kvindex.py``).
 """
 
 from __future__ import annotations
@@ -246,14 +248,10 @@ class KvView:
         if not prompt.linked:
             prompt.linked = True
             match = prompt.match = self.links.match(prompt.chunks, prompt.data)
-            if match is None:
-                pass
-            elif prompt.exact:
-                match.tokens = prompt.tokens
-            elif match.extends is not None:
+            if match is not None and match.extends is not None and not prompt.exact:
                 rest = match.extends * self.ratio / BYTES_PER_TOKEN
-                prompt.tokens = match.tokens = match.tokens + round(rest)
-            else:
+                prompt.tokens = match.tokens + round(rest)
+            if match is not None:
                 match.tokens = prompt.tokens
         return prompt.match
 

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.real_vllm
 
 ADMIN = "kv-events-test"
 TURNS = 3
-TURN_WORDS = 30
+# A turn's text is at least one 256-byte chunk of the router's (what it links tokens to),
+# and three turns fit the engines' 512 tokens with a last one sent again.
+TURN_WORDS = 34
 
 
 def stream_of(router: RouterProcess) -> dict[str, Any]:
@@ -64,10 +66,14 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         self.sent = 0
 
-    def turn(self) -> tuple[int, dict[str, str]]:
-        """The engine's ``cached_tokens`` for the next turn, and the router's log line."""
-        text = prompt(f"{self.tag}-turn{len(self.messages)}", words=TURN_WORDS)
-        self.messages.append({"role": "user", "content": text})
+    def turn(self, again: bool = False) -> tuple[int, dict[str, str]]:
+        """The engine's ``cached_tokens`` for the next turn (``again``: the last one once
+        more), and the router's log line."""
+        if again:
+            self.messages.pop()
+        else:
+            text = prompt(f"{self.tag}-turn{len(self.messages)}", words=TURN_WORDS)
+            self.messages.append({"role": "user", "content": text})
         response = self.client.chat.completions.create(
             model=MODEL,
             messages=self.messages,  # type: ignore[arg-type]
@@ -138,14 +144,17 @@ def test_the_routers_view_is_what_the_engine_reports_cached_and_follows_a_reset(
             cached, line = conversation.turn()
             seen.append((cached, int(line["predicted_cached"])))
             if turn:
-                assert line["cache_source"] == "events", line
+                assert line["cache_source"] == "events", (line, stream_of(router))
                 assert int(line["predicted_cached"]) == cached > 0, seen
             # The engine publishes the turn's blocks as it computes it: heard before the next.
             until(lambda: stream_of(router)["seq"] != batches, "the turn's events")
 
         reset_prefix_cache(url)
+        # vLLM publishes what a step did at its end, a reset's AllBlocksCleared with the next
+        # step's events: another conversation makes the idle engine step.
+        Conversation(router, f"after-reset-{tag}").turn()
         until(lambda: stream_of(router)["clears"] >= 1, "AllBlocksCleared heard")
-        cached, line = conversation.turn()
+        cached, line = conversation.turn(again=True)
         seen.append((cached, int(line["predicted_cached"])))
         print(f"\n(engine cached_tokens, router predicted_cached) by turn: {seen}")
         assert line["cache_source"] == "events" and int(line["predicted_cached"]) == cached == 0
