@@ -442,8 +442,9 @@ class Relay:
             # The engine pins the KV as it answers: a client leaving now must not strand it.
             with self._engine_has_it():
                 body = handshake.prefill_body(self.body)
-                if prompt is not None and node.id in fleet.kv.indexes:
-                    # The prompt's token ids, for what the engines' KV events say they hold.
+                if prompt is not None and prompt.chunks and node.id in fleet.kv.indexes:
+                    # The prompt's token ids, for what the engines' KV events say they hold
+                    # (a prompt shorter than a chunk is never linked to them).
                     body["return_token_ids"] = True
                 answer = await self._send(node, url, body, headers)
                 try:
