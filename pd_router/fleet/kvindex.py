@@ -29,17 +29,17 @@ from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-# Block keys all links hold together (8 bytes each): 8 MB, what ~4,000 conversations of
+# Block keys all links hold together (8 bytes each): 8 MB, what ~8,000 conversations of
 # 2,000 tokens in blocks of 16 need.
 LINK_BLOCKS = 1 << 20
 # Links at most, whatever their size.
 LINKS = 16384
 
 
-def block_keys(ids: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
-    """The key of each whole block of ``ids``, chained from ``parent`` (a partial last block
-    is never cached)."""
+def block_keys(ids: Sequence[int], block_size: int) -> list[int]:
+    """The key of each whole block of ``ids`` (a partial last block is never cached)."""
     keys = []
+    parent = 0
     ids = tuple(ids)  # sliced into tuples at once
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hash((parent, ids[start : start + block_size]))
