@@ -2,6 +2,7 @@
 
     python benchmarks/compare_commits.py c5cc867 .      # a past commit against the work tree
     python benchmarks/compare_commits.py A B --tokens 1 --rounds 6
+    python benchmarks/compare_commits.py main . --kv-events --words 400   # cost + KV events
 
 Each revision (``.`` is the working tree) is checked out into a temporary git worktree and
 its router started from there; one set of simulated engines (1 prefill, 2 instant decode)
@@ -28,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.processes import checkouts, cpu_ms, running  # noqa: E402
 from benchmarks.workloads.requests import completion_body, stream_completion  # noqa: E402
-from pd_router.sim.fleet import RouterProcess, SimFleet  # noqa: E402
+from pd_router.sim.fleet import RouterProcess, SimFleet, free_port  # noqa: E402
 
 FILLER = " ".join(f"w{i}" for i in range(40))
 
@@ -52,7 +53,9 @@ class RevisionRouter(RouterProcess):
         return [*argv, "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
 
-async def load(url: str, requests: int, concurrency: int, tokens: int, tag: str) -> int:
+async def load(
+    url: str, requests: int, concurrency: int, tokens: int, tag: str, filler: str = FILLER
+) -> int:
     """Send ``requests`` streams through ``url``; returns how many failed."""
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=0)
@@ -60,7 +63,7 @@ async def load(url: str, requests: int, concurrency: int, tokens: int, tag: str)
 
         async def one(index: int) -> bool:
             async with gate:
-                body = completion_body(f"{tag}-{index} {FILLER}", tokens)
+                body = completion_body(f"{tag}-{index} {filler}", tokens)
                 return (await stream_completion(session, url + "/v1/completions", body)).ok
 
         results = await asyncio.gather(*(one(index) for index in range(requests)))
@@ -68,8 +71,9 @@ async def load(url: str, requests: int, concurrency: int, tokens: int, tag: str)
 
 
 async def compare(routers: list[RevisionRouter], args: argparse.Namespace) -> None:
+    filler = " ".join(f"w{i}" for i in range(args.words))
     for router in routers:
-        await load(router.url, 2 * args.concurrency, args.concurrency, args.tokens, "warm")
+        await load(router.url, 2 * args.concurrency, args.concurrency, args.tokens, "warm", filler)
     used = {router.label: 0.0 for router in routers}
     errors = {router.label: 0 for router in routers}
     for round_ in range(args.rounds):
@@ -79,7 +83,7 @@ async def compare(routers: list[RevisionRouter], args: argparse.Namespace) -> No
             before = cpu_ms(router.pid)
             tag = f"{router.label}-{round_}"
             errors[router.label] += await load(
-                router.url, args.requests, args.concurrency, args.tokens, tag
+                router.url, args.requests, args.concurrency, args.tokens, tag, filler
             )
             used[router.label] += cpu_ms(router.pid) - before
     sent = args.requests * args.rounds
@@ -96,16 +100,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per stream")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--words", type=int, default=40, help="words (tokens) per prompt")
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the prefill engine publishes KV events, the routers follow them (--prefill-policy"
+        " cost)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pd-router-compare-") as tmp:
         with checkouts(args.revisions, Path(tmp)) as sources:
             decode_args = ["--standalone", "--slots", "256", "--ttft", "0", "--itl", "0"]
-            with SimFleet(prefill=1, decode=2, decode_args=decode_args) as fleet:
-                prefill = [engine.url for engine in fleet.prefill]
+            port = free_port()
+            prefill_args = ["--kv-events-port", str(port)] if args.kv_events else []
+            policy = ["--prefill-policy", "cost"] if args.kv_events else []
+            with SimFleet(
+                prefill=1, decode=2, prefill_args=prefill_args, decode_args=decode_args
+            ) as fleet:
+                events = f",kv_events={port}" if args.kv_events else ""
+                prefill = [engine.url + events for engine in fleet.prefill]
                 decode = [engine.url for engine in fleet.decode]
                 routers = [
                     RevisionRouter(f"{index}:{revision}", source, prefill, decode,
-                                   "--decode-slots", "64")  # fmt: skip
+                                   "--decode-slots", "64", *policy)  # fmt: skip
                     for index, (revision, source) in enumerate(zip(args.revisions, sources))
                 ]
                 with running(routers):

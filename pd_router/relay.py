@@ -432,7 +432,7 @@ class Relay:
         placement = fleet.prefill.place(node, key, prompt)
         self._prefix_hit = placement.hit
         self._predicted_cached = placement.cached
-        self._cache_source = "events" if fleet.events.live(node.id) else "prediction"
+        self._cache_source = placement.source
         self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
         url = node.url + self.path
         trace = self.trace
@@ -441,7 +441,12 @@ class Relay:
         try:
             # The engine pins the KV as it answers: a client leaving now must not strand it.
             with self._engine_has_it():
-                answer = await self._send(node, url, handshake.prefill_body(self.body), headers)
+                body = handshake.prefill_body(self.body)
+                if prompt is not None and prompt.chunks and node.id in fleet.kv.indexes:
+                    # The prompt's token ids, for what the engines' KV events say they hold
+                    # (a prompt shorter than a chunk is never linked to them).
+                    body["return_token_ids"] = True
+                answer = await self._send(node, url, body, headers)
                 try:
                     if answer.status != 200:
                         raise await answer.error()
@@ -469,6 +474,8 @@ class Relay:
                 trace.prefilled(prefilled.prompt_details)
             if prompt is not None:
                 fleet.kv.calibrate(prompt, prefilled.prompt_tokens)
+                if prefilled.prompt_token_ids is not None:
+                    fleet.kv.learn(node.id, prompt, prefilled.prompt_token_ids)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:

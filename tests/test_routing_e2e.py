@@ -126,6 +126,10 @@ def test_the_router_follows_an_engines_kv_events_and_forgets_what_it_cleared() -
                 time.sleep(0.2)
             stream = stream_of(router)
             assert stream["state"] == "live" and stream["blocks"] >= 100, stream
+            # The router links an answer's token ids to its text once it knows the engine's
+            # block size (from its first BlockStored): the next turns are then read from
+            # the events.
+            client.completions.create(model="sim-model", prompt=turns[0], max_tokens=2)
             client.completions.create(model="sim-model", prompt=turns[1], max_tokens=2)
             fleet.prefill[0].reset()  # the engine's cache is emptied: AllBlocksCleared
             wait_for(lambda: stream_of(router)["clears"] == 1, what="the clear seen")

@@ -58,7 +58,13 @@ def drain_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict
 class Prefilled:
     """What the router keeps from a prefill answer."""
 
-    __slots__ = ("kv_transfer_params", "prompt_details", "prompt_tokens", "is_local")
+    __slots__ = (
+        "kv_transfer_params",
+        "prompt_details",
+        "prompt_tokens",
+        "prompt_token_ids",
+        "is_local",
+    )
 
     def __init__(self, answer: Any) -> None:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -77,6 +83,14 @@ class Prefilled:
         # The decode engine reports the whole transferred prompt as cached; what was
         # really served from cache is what the prefill engine saw.
         self.prompt_details: dict[str, Any] | None = details if isinstance(details, dict) else None
+        # The prompt's token ids, when asked for (``return_token_ids``): vLLM answers them at
+        # the top of a chat completion and in the choice of a completion.
+        ids = answer.get("prompt_token_ids")
+        if ids is None:
+            choices = answer.get("choices")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                ids = choices[0].get("prompt_token_ids")
+        self.prompt_token_ids: list[Any] | None = ids if isinstance(ids, list) else None
 
     @classmethod
     def local(cls) -> Prefilled:

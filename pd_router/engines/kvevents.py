@@ -111,10 +111,9 @@ async def follow(nodes: list[Node], streams: EventStreams) -> None:
                         streams.apply(node_id, item)
                     else:
                         stream = streams.streams.get(node_id)
-                        if stream is not None:
-                            if stream.state != "degraded":
-                                log.warning("KV events of node %d: %s", node_id, item)
-                            stream.fault(kind, item)
+                        if stream is not None and stream.state != "degraded":
+                            log.warning("KV events of node %d: %s", node_id, item)
+                        streams.fault(node_id, kind, item)
             await anyio.sleep(TICK)
     finally:
         for subscriber in subscribers.values():

@@ -19,7 +19,9 @@ binary search: O(log chunks) dict lookups per engine, whatever the number of con
 
 Like llm-d's approximate prefix scorer (characters as tokens, a rolling hash chain over
 fixed blocks, an LRU index per pod) and Dynamo's ``ApproxKvIndexer`` (the router's own
-routing decisions, no events), this predicts from where this router sent prompts.
+routing decisions, no events), this predicts from where this router sent prompts. Where an
+engine's KV events are live and the prompt's text was learned, ``KvView.cached`` answers
+from them instead (``fleet/kvindex.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from pd_router.fleet.kvindex import BlockIndex, Links, Match, cached_tokens
 
 CHUNK_BYTES = 256
 BYTES_PER_TOKEN = 4
@@ -53,6 +57,11 @@ class Prompt:
     exact: bool = False
     # The estimate before calibration, in CHUNK_TOKENS per chunk (text only).
     estimate: int = 0
+    # The bytes the chunks were cut from, and what a learned prompt says they start with
+    # (``KvView.match``: ``linked`` once looked up).
+    data: bytes = b""
+    match: Match | None = None
+    linked: bool = False
 
     def cached(self, chunks_held: int) -> int:
         """Tokens of this prompt that ``chunks_held`` leading chunks cover."""
@@ -85,13 +94,13 @@ def _describe(body: Mapping[str, Any]) -> Prompt:
         return _text(prompt.encode("utf-8", "surrogatepass"), seed)
     packed = _packed_ids(prompt)
     if packed is not None:
-        return Prompt(chunk_keys(packed, seed), len(packed) // 4, exact=True)
+        return Prompt(chunk_keys(packed, seed), len(packed) // 4, exact=True, data=packed)
     return _text(orjson.dumps(prompt), seed)
 
 
 def _text(data: bytes, seed: int) -> Prompt:
     tokens = -(-len(data) // BYTES_PER_TOKEN)
-    return Prompt(chunk_keys(data, seed), tokens, estimate=tokens)
+    return Prompt(chunk_keys(data, seed), tokens, estimate=tokens, data=data)
 
 
 def _packed_ids(prompt: object) -> bytes | None:
@@ -191,6 +200,13 @@ class KvView:
         # (``shared/placements.py``): (role, url, chunks, tokens), the oldest dropped when
         # full.
         self.outbox: deque[tuple[str, str, list[int], int]] | None = None
+        # What the engines that publish KV events hold, by their events
+        # (``fleet/kvevents.py``): every watched stream's index, and those of the streams
+        # live now, whose word replaces the prediction (``cached``).
+        self.indexes: dict[int, BlockIndex] = {}
+        self.live: dict[int, BlockIndex] = {}
+        # The prompts whose tokens the engines told (``learn``).
+        self.links = Links()
 
     def of(self, node_id: int) -> Holdings:
         holdings = self._by_node.get(node_id)
@@ -204,6 +220,50 @@ class KvView:
         self.of(node_id).insert(prompt.chunks)
         if self.outbox is not None and prompt.chunks:
             self.outbox.append((role, url, prompt.chunks, prompt.tokens))
+
+    def cached(self, node_id: int, prompt: Prompt, chunks_held: int) -> int:
+        """Tokens of ``prompt`` cached on the node: what its events say it holds of the
+        blocks the prompt is known to start with (``kvindex.py``) where its stream is live
+        and the prompt's text was learned, else ``chunks_held`` as predicted."""
+        index = self.live.get(node_id)
+        if index is None:
+            return prompt.cached(chunks_held)
+        match = self.match(prompt)
+        if match is None or match.block_size != index.block_size:
+            return prompt.cached(chunks_held)
+        held = index.held(match.blocks, match.count)
+        return cached_tokens(held, match.block_size, match.tokens)
+
+    def source(self, node_id: int, prompt: Prompt) -> str:
+        """Where ``cached`` took its answer from: "events" or "prediction"."""
+        index = self.live.get(node_id)
+        if index is not None and prompt.match is not None:
+            return "events" if prompt.match.block_size == index.block_size else "prediction"
+        return "prediction"
+
+    def match(self, prompt: Prompt) -> Match | None:
+        """What the learned prompts say this one starts with (looked up once a request);
+        a prompt that extends a learned one is counted as its tokens and the rest's
+        estimate."""
+        if not prompt.linked:
+            prompt.linked = True
+            match = prompt.match = self.links.match(prompt.chunks, prompt.data)
+            if match is not None and match.extends is not None and not prompt.exact:
+                rest = match.extends * self.ratio / BYTES_PER_TOKEN
+                prompt.tokens = match.tokens + round(rest)
+            if match is not None:
+                match.tokens = prompt.tokens
+        return prompt.match
+
+    def learn(self, node_id: int, prompt: Prompt, ids: object) -> None:
+        """The node's answer said the prompt is the token ids ``ids``."""
+        index = self.indexes.get(node_id)
+        if index is None or not index.block_size or not prompt.chunks:
+            return
+        if not isinstance(ids, list) or len(ids) < index.block_size:
+            return
+        chunked = len(prompt.chunks) * CHUNK_BYTES
+        self.links.learn(prompt.chunks[-1], chunked, prompt.data, ids, index.block_size)
 
     def set_capacity(self, node_id: int, tokens: int) -> None:
         """The engine's cache holds ``tokens`` of its tokens (its events said so)."""

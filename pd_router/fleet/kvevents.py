@@ -2,38 +2,42 @@
 
 vLLM started with ``--kv-events-config`` publishes on a ZMQ PUB socket; a message is three
 frames: the topic, an 8-byte big-endian sequence number, and a msgpack payload
-``[ts, [event, ...]]`` (msgspec ``array_like`` structs, tagged: an event is
-``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``; newer
-versions add trailing fields, which are ignored). ``engines/kvevents.py`` receives them;
-``decode`` checks one, and ``EventStream`` applies it to the engine's ``Holdings``.
+``[ts, [event, ...], dp_rank]`` (msgspec ``array_like``). vLLM 0.32 encodes each event as a
+map tagged by ``type`` (``{"type": "BlockStored", "block_hashes": [...],
+"parent_block_hash": ..., "token_ids": [...], "block_size": N, "medium": "GPU", ...}``,
+``BlockRemoved`` with ``block_hashes``, ``AllBlocksCleared``); earlier publishers and other
+tools send tagged arrays (``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, ...]``): both are read, extra fields ignored.
+``engines/kvevents.py`` receives them; ``decode`` checks one, and ``EventStream`` applies
+it to the engine's ``BlockIndex`` (``fleet/kvindex.py``: the blocks it holds, keyed by their
+token ids, which is what makes them comparable with a prompt's) and its predicted
+``Holdings``:
 
-Block hashes are over token ids, in blocks of the engine's block size, chained from a seed
-the router cannot know; the router has no tokenizer and sees text, so it cannot tell which
-of its prompt chunks a hash stands for (llm-d and Dynamo tokenize in the router for that).
-What events do tell reliably, and what the router uses them for:
-
-* ``AllBlocksCleared`` (``/reset_prefix_cache``, a weights reload): the engine holds nothing;
-  the router forgets what it predicted there.
-* a sequence number going back: the publisher started again, the engine restarted with an
-  empty cache; the same.
+* ``BlockStored``/``BlockRemoved``: the index follows, exactly; blocks of another medium
+  (an offloading tier) or another KV cache group (a hybrid model's sliding window) are not
+  the prefix cache the router routes on, and are left out.
+* ``AllBlocksCleared`` (``/reset_prefix_cache``, a weights reload) and a sequence number
+  going back (the engine restarted): the engine holds nothing; index and prediction are
+  emptied.
 * ``BlockRemoved`` after ``BlockStored``: the engine is evicting, so what it holds now
-  (stored - removed blocks x block size) is its cache's real capacity; the router's
-  prediction of that engine is bounded by it instead of by ``--engine-cache-tokens``.
+  (stored - removed blocks x block size) is its cache's real capacity; the prediction of
+  that engine is bounded by it instead of by ``--engine-cache-tokens``.
 
 A gap in the sequence numbers (the subscriber fell behind: ZMQ drops what a slow
 subscriber does not take) or a message that does not parse makes the stream ``degraded``:
-the router goes on predicting from its own placements, and counts the fault; the next
-message in order makes it ``live`` again.
+the router predicts from its own placements; after a gap the index, which missed stores
+and removals, starts again empty. The next message in order makes the stream ``live``
+again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from pd_router.fleet.holdings import Holdings, KvView
+from pd_router.fleet.kvindex import BlockIndex
 
 WAITING = "waiting"
 LIVE = "live"
@@ -44,16 +48,56 @@ class EventError(ValueError):
     """A message that is not vLLM's KV event batch."""
 
 
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+CLEARED = "AllBlocksCleared"
+# The mediums of the engine's own prefix cache (vLLM's GPU pool; its CPU backend says GPU
+# too): an offloading tier's blocks are not what the engine finds by prefix caching.
+_PREFIX_CACHE = (None, "GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    hashes: list[Any]
+    parent: Any
+    ids: list[Any]
+    block_size: int
+    # Per block: what else went into its hash (a LoRA, a cache salt, media), or None.
+    extra: list[Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: list[Any]
+
+
+Event = Stored | Removed | None  # None: AllBlocksCleared
+
+
 @dataclass(frozen=True)
 class Batch:
     seq: int
-    # (kind, block hash count, block size or 0) per event: all the router reads.
-    events: tuple[tuple[str, int, int], ...]
+    events: tuple[Event, ...]
+
+
+# The fields of vLLM's events, in the order a tagged array carries them.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 def decode(frames: Sequence[bytes], payload: Any) -> Batch:
     """Checks a message: its frames (topic, seq, payload bytes) and the payload as msgpack
-    decoded it (``payload``)."""
+    decoded it (``payload``). Events of another medium or KV cache group are dropped."""
     if len(frames) != 3 or len(frames[1]) != 8:
         raise EventError(f"expected 3 frames with an 8-byte sequence number, got {len(frames)}")
     seq = int.from_bytes(frames[1], "big")
@@ -62,27 +106,61 @@ def decode(frames: Sequence[bytes], payload: Any) -> Batch:
     events = payload[1]
     if not isinstance(events, list | tuple):
         raise EventError("the payload's events are not a list")
-    parsed = []
+    parsed: list[Event] = []
     for event in events:
-        if not isinstance(event, list | tuple) or not event or not isinstance(event[0], str):
-            raise EventError("an event is not a tagged array")
-        kind = event[0]
-        if kind == "BlockStored":
-            if len(event) < 5 or not isinstance(event[1], list | tuple):
-                raise EventError("BlockStored without block hashes")
-            size = event[4]
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise EventError("BlockStored without a block size")
-            parsed.append((kind, len(event[1]), size))
-        elif kind == "BlockRemoved":
-            if len(event) < 2 or not isinstance(event[1], list | tuple):
-                raise EventError("BlockRemoved without block hashes")
-            parsed.append((kind, len(event[1]), 0))
-        elif kind == "AllBlocksCleared":
-            parsed.append((kind, 0, 0))
+        if isinstance(event, dict):
+            kind, fields = event.get("type"), event
+        elif isinstance(event, list | tuple) and event:
+            kind = event[0]
+            names = _STORED_FIELDS if kind == STORED else _REMOVED_FIELDS
+            fields = dict(zip(names, event[1:]))
         else:
-            raise EventError(f"unknown event {kind[:40]!r}")
+            raise EventError("an event is neither a tagged map nor a tagged array")
+        if kind == STORED:
+            stored = _stored(fields)
+            if stored is not None:
+                parsed.append(stored)
+        elif kind == REMOVED:
+            hashes = fields.get("block_hashes")
+            if not _hashes(hashes):
+                raise EventError("BlockRemoved without block hashes")
+            if _ours(fields):
+                parsed.append(Removed(hashes))
+        elif kind == CLEARED:
+            parsed.append(None)
+        else:
+            raise EventError(f"unknown event {str(kind)[:40]!r}")
     return Batch(seq, tuple(parsed))
+
+
+def _stored(fields: dict[str, Any]) -> Stored | None:
+    hashes, ids, parent = (
+        fields.get("block_hashes"),
+        fields.get("token_ids"),
+        fields.get("parent_block_hash"),
+    )
+    if not _hashes(hashes) or not isinstance(ids, list) or not _hashes([parent]):
+        raise EventError("BlockStored without block hashes and token ids")
+    size = fields.get("block_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise EventError("BlockStored without a block size")
+    if not _ours(fields):
+        return None
+    extra = fields.get("extra_keys")
+    extra = extra if isinstance(extra, list) and any(e is not None for e in extra) else None
+    return Stored(hashes, parent, ids, size, extra)
+
+
+def _hashes(value: object) -> TypeGuard[list[Any]]:
+    """A list of block hashes (bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+    return isinstance(value, list) and all(
+        block_hash is None or isinstance(block_hash, bytes | int | str) for block_hash in value
+    )
+
+
+def _ours(fields: dict[str, Any]) -> bool:
+    """Whether an event is about the engine's prefix cache (its first KV cache group)."""
+    return fields.get("medium") in _PREFIX_CACHE and fields.get("group_idx") in (None, 0)
 
 
 @dataclass
@@ -93,16 +171,20 @@ class EventStream:
     state: str = WAITING
     seq: int | None = None
     batches: int = 0
-    # Blocks the engine holds now, by its events, and their size in tokens.
+    # Blocks the engine holds now, by its events (stored - removed), and their size.
     blocks: int = 0
     block_size: int = 0
     # The engine's cache, in its tokens, once it has evicted (None before).
     capacity: int | None = None
     clears: int = 0
     restarts: int = 0
+    # Stored blocks the index could not key: their parent was stored before the router
+    # heard (it started later, or missed it).
+    unkeyed: int = 0
     # Faults by kind ("gap", "garbage", "disconnected"), for the metric.
     faults: dict[str, int] = field(default_factory=dict)
     last_fault: str | None = None
+    index: BlockIndex = field(default_factory=BlockIndex)
 
     def fault(self, kind: str, message: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -110,13 +192,15 @@ class EventStream:
         self.state = DEGRADED
 
     def apply(self, batch: Batch, holdings: Holdings) -> None:
-        """A batch arrived: the engine's ``holdings`` follow what it says."""
+        """A batch arrived: the engine's index and ``holdings`` follow what it says."""
         if self.seq is not None and batch.seq <= self.seq:
             # The publisher's count started again: a new engine process, an empty cache.
             self.restarts += 1
             self._cleared(holdings)
         elif self.seq is not None and batch.seq != self.seq + 1:
             self.fault("gap", f"missed batches {self.seq + 1}-{batch.seq - 1}")
+            # The index missed stores and removals: it starts again from what comes now.
+            self.index.clear()
             self.seq = batch.seq
             self.batches += 1
             self._events(batch, holdings)
@@ -127,21 +211,28 @@ class EventStream:
         self._events(batch, holdings)
 
     def _events(self, batch: Batch, holdings: Holdings) -> None:
-        for kind, count, size in batch.events:
-            if kind == "BlockStored":
-                self.blocks += count
-                self.block_size = size
-            elif kind == "BlockRemoved":
+        index = self.index
+        for event in batch.events:
+            if isinstance(event, Stored):
+                self.blocks += len(event.hashes)
+                if not index.stored(
+                    event.hashes, event.parent, event.ids, event.block_size, event.extra
+                ):
+                    self.unkeyed += len(event.hashes)
+                self.block_size = index.block_size or event.block_size
+            elif isinstance(event, Removed):
                 if self.capacity is None or self.blocks > self.capacity // max(self.block_size, 1):
                     # Evicting at this fill: the cache is this big.
                     self.capacity = self.blocks * self.block_size
-                self.blocks = max(self.blocks - count, 0)
+                self.blocks = max(self.blocks - len(event.hashes), 0)
+                index.removed(event.hashes)
             else:
                 self.clears += 1
                 self._cleared(holdings)
 
     def _cleared(self, holdings: Holdings) -> None:
         self.blocks = 0
+        self.index.clear()
         holdings.clear()
 
     def view(self) -> dict[str, Any]:
@@ -152,6 +243,8 @@ class EventStream:
             "seq": self.seq,
             "batches": self.batches,
             "blocks": self.blocks,
+            "indexed_blocks": len(self.index),
+            "unkeyed_blocks": self.unkeyed,
             "block_size": self.block_size,
             "capacity_tokens": self.capacity,
             "clears": self.clears,
@@ -162,7 +255,8 @@ class EventStream:
 
 
 class EventStreams:
-    """The event streams of the engines that publish, by node id, applied to a ``KvView``."""
+    """The event streams of the engines that publish, by node id, applied to a ``KvView``:
+    the view reads the index of every stream that is live (``KvView.cached``)."""
 
     def __init__(self, view: KvView) -> None:
         self.view = view
@@ -172,20 +266,36 @@ class EventStreams:
         stream = self.streams.get(node_id)
         if stream is None or stream.endpoint != endpoint:
             stream = self.streams[node_id] = EventStream(endpoint)
+            self.view.indexes[node_id] = stream.index
+            self.view.live.pop(node_id, None)
         return stream
 
     def drop(self, node_id: int) -> None:
         self.streams.pop(node_id, None)
+        self.view.indexes.pop(node_id, None)
+        self.view.live.pop(node_id, None)
 
     def apply(self, node_id: int, batch: Batch) -> None:
         stream = self.streams.get(node_id)
         if stream is None:
             return
         stream.apply(batch, self.view.of(node_id))
+        self._state(node_id, stream)
         if stream.capacity:
             self.view.set_capacity(node_id, stream.capacity)
 
+    def fault(self, node_id: int, kind: str, message: str) -> None:
+        stream = self.streams.get(node_id)
+        if stream is not None:
+            stream.fault(kind, message)
+            self._state(node_id, stream)
+
+    def _state(self, node_id: int, stream: EventStream) -> None:
+        if stream.state == LIVE:
+            self.view.live[node_id] = stream.index
+        else:
+            self.view.live.pop(node_id, None)
+
     def live(self, node_id: int) -> bool:
         """Whether what the router knows of this engine follows its events now."""
-        stream = self.streams.get(node_id)
-        return stream is not None and stream.state == LIVE
+        return node_id in self.view.live

@@ -177,9 +177,16 @@ class RecentPrefixes:
 class Placement:
     """A prefill sent to ``node``: what was predicted of it, until ``PrefillPolicy.release``."""
 
-    __slots__ = ("node", "hit", "cached", "work")
+    __slots__ = ("node", "hit", "cached", "work", "source")
 
-    def __init__(self, node: Node, hit: bool, cached: int | None = None, work: int = 0) -> None:
+    def __init__(
+        self,
+        node: Node,
+        hit: bool,
+        cached: int | None = None,
+        work: int = 0,
+        source: str = "prediction",
+    ) -> None:
         self.node = node
         # The prefix policy: this router last sent the prefix key here. The cost policy:
         # some of the prompt is predicted cached here.
@@ -188,6 +195,8 @@ class Placement:
         self.cached = cached
         # Prompt tokens predicted to be computed: the node's waiting work until released.
         self.work = work
+        # What ``cached`` came from: "events" (the node's KV events) or "prediction".
+        self.source = source
 
 
 class PrefillPolicy:
@@ -322,6 +331,8 @@ class Cost(Prefix):
         inflight = self._inflight
         limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
         live = [node for node in live if inflight.get(node.id, 0) <= limit]
+        if view.live:
+            view.match(prompt)  # before any cost: it may count the prompt's tokens better
         helds = [view.of(node.id).held(chunks) for node in live]
         weight = SHARE_WEIGHT * self._chunks / max(len(self._recent), 1) * prompt.chunk_tokens
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
@@ -332,7 +343,7 @@ class Cost(Prefix):
         best_cost = 0.0
         deepest = 0
         for node, held in zip(live, helds):
-            uncached = prompt.tokens - prompt.cached(held)
+            uncached = max(prompt.tokens - view.cached(node.id, prompt, held), 0)
             share = _beyond(counts.get(node.id, 0) - mean, band) * weight
             cost = MISS_WEIGHT * uncached + waiting.get(node.id, 0) + share
             if not best or cost < best_cost:
@@ -363,15 +374,15 @@ class Cost(Prefix):
     def place(self, node: Node, key: int, prompt: Prompt | None = None) -> Placement:
         prompt = prompt or _UNKNOWN
         held = self.view.of(node.id).held(prompt.chunks)
-        cached = prompt.cached(held)
-        work = prompt.tokens - cached
+        cached = self.view.cached(node.id, prompt, held)
+        work = max(prompt.tokens - cached, 0)
         self.waiting[node.id] = self.waiting.get(node.id, 0) + work
         self._inflight[node.id] = self._inflight.get(node.id, 0) + 1
         self._count(node.id, held, prompt.chunks)
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
-        return Placement(node, cached > 0, cached, work)
+        return Placement(node, cached > 0, cached, work, self.view.source(node.id, prompt))
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""

@@ -1,27 +1,26 @@
 """KV cache events in vLLM's wire format, published on a ZMQ PUB socket.
 
-As vLLM's ``ZmqEventPublisher`` sends them: three frames, the topic, an 8-byte big-endian
-sequence number from 0, and a msgpack payload ``[ts, [event, ...]]`` whose events are
-tagged arrays (msgspec ``array_like``): ``["BlockStored", block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
-``["AllBlocksCleared"]``. The sim's tokens are words: a word's token id is the word if it
-is a number, else its CRC-32.
+As vLLM 0.32's ``ZmqEventPublisher`` sends them: three frames, the topic, an 8-byte
+big-endian sequence number from 0, and a msgpack payload ``[ts, [event, ...], dp_rank]``
+whose events are maps tagged by ``type`` (msgspec ``tag=True``): ``{"type":
+"BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+"medium", "lora_name"}``, ``{"type": "BlockRemoved", "block_hashes", "medium"}``,
+``{"type": "AllBlocksCleared"}``. The sim's tokens are words: a word's token id is the word
+if it is a number, else its CRC-32 (``token_id``, also what ``return_token_ids`` answers).
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
+from pd_router.sim.tokens import token_id
+
 TOPIC = b"kv-events"
-
-
-def token_id(token: str) -> int:
-    return int(token) if token.isdigit() else zlib.crc32(token.encode())
+MEDIUM = "GPU"
 
 
 class Publisher:
@@ -33,6 +32,11 @@ class Publisher:
         self._socket.bind(f"tcp://{host}:{port}")
         self._seq = 0
 
+    @property
+    def published(self) -> int:
+        """Batches sent so far (the next one's sequence number)."""
+        return self._seq
+
     def stored(self, hashes: list[int], all_hashes: list[int], tokens: list[str]) -> list[Any]:
         """A BlockStored event for ``hashes``, the newly stored tail of ``all_hashes``."""
         if not hashes:
@@ -41,16 +45,33 @@ class Publisher:
         parent = all_hashes[first - 1] if first else None
         size = self.block_size
         ids = [token_id(t) for t in tokens[first * size : (first + len(hashes)) * size]]
-        return [["BlockStored", hashes, parent, ids, size, None, None]]
+        return [
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": ids,
+                "block_size": size,
+                "lora_id": None,
+                "medium": MEDIUM,
+                "lora_name": None,
+            }
+        ]
 
     @staticmethod
     def removed(hashes: list[int]) -> list[Any]:
-        return [["BlockRemoved", hashes, None]] if hashes else []
+        return (
+            [{"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM}] if hashes else []
+        )
+
+    @staticmethod
+    def cleared() -> list[Any]:
+        return [{"type": "AllBlocksCleared"}]
 
     def publish(self, events: list[Any]) -> None:
         if not events:
             return
-        payload = msgpack.packb([time.time(), events])
+        payload = msgpack.packb([time.time(), events, None])
         frames = [TOPIC, self._seq.to_bytes(8, "big"), payload]
         self._seq += 1
         try:

@@ -18,6 +18,7 @@ from pd_router.sim.config import EngineSettings, SimConfig
 from pd_router.sim.engine import Engine, Job, Outcome
 from pd_router.sim.kvcache import PinnedBlocks, PrefixCache
 from pd_router.sim.payloads import full_response, token_text, usage
+from pd_router.sim.tokens import token_id
 
 if TYPE_CHECKING:
     from pd_router.sim.events import Publisher
@@ -40,12 +41,14 @@ class PrefillEngine(Engine):
         stats = super().stats()
         stats["blocks_pinned"] = self.blocks.blocks_pinned
         stats["prefix_cache_blocks"] = self.prefix_cache.blocks
+        if self.events is not None:
+            stats["kv_event_batches"] = self.events.published
         return stats
 
     def reset(self) -> None:
         self.prefix_cache.clear()
         if self.events is not None:
-            self.events.publish([["AllBlocksCleared"]])
+            self.events.publish(self.events.cleared())
 
     async def startup(self) -> None:
         port = self.settings.kv_events_port
@@ -108,6 +111,12 @@ class PrefillEngine(Engine):
                 "tp_size": 1,
             },
         )
+        if job.body.get("return_token_ids") is True:
+            ids = [token_id(token) for token in tokens]
+            if job.chat:
+                body["prompt_token_ids"] = ids
+            else:
+                body["choices"][0]["prompt_token_ids"] = ids
         if crash:
             await exchange.respond_truncated(body)
             return Outcome.CRASHED

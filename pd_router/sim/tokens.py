@@ -6,6 +6,7 @@ token ids. Using words keeps every prompt readable in test assertions.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 
 
@@ -97,3 +98,9 @@ def request_tokens(body: Mapping[str, object], chat: bool, max_model_len: int) -
             param,
         )
     return tokens
+
+
+def token_id(token: str) -> int:
+    """A token's id, as KV events and ``return_token_ids`` give it: the word if it is a
+    number (a prompt given as token ids), else its CRC-32."""
+    return int(token) if token.isdigit() else zlib.crc32(token.encode())

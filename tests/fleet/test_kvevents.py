@@ -10,7 +10,15 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from pd_router.fleet.holdings import CHUNK_TOKENS, KvView
-from pd_router.fleet.kvevents import DEGRADED, LIVE, EventError, EventStreams, decode
+from pd_router.fleet.kvevents import (
+    DEGRADED,
+    LIVE,
+    EventError,
+    EventStreams,
+    Removed,
+    Stored,
+    decode,
+)
 
 
 def message(seq: int, *events: list[Any]) -> list[bytes]:
@@ -28,13 +36,28 @@ def stored(count: int, size: int = 16) -> list[Any]:
 
 
 def test_vllm_messages_decode_and_garbage_does_not() -> None:
-    parsed = batch(7, stored(2), ["BlockRemoved", [b"h0"], None], ["AllBlocksCleared"])
-    assert parsed.seq == 7
-    assert parsed.events == (
-        ("BlockStored", 2, 16),
-        ("BlockRemoved", 1, 0),
-        ("AllBlocksCleared", 0, 0),
-    )
+    # vLLM 0.32 encodes each event as a map tagged by "type" (msgspec tag=True, not
+    # array_like); older publishers as a tagged array. Both are read.
+    as_map = {
+        "type": "BlockStored",
+        "block_hashes": [b"h0", b"h1"],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    for event in (as_map, stored(2)):
+        parsed = batch(7, event, ["BlockRemoved", [b"h0"], None], {"type": "AllBlocksCleared"})
+        assert parsed.seq == 7
+        first, removed, cleared = parsed.events
+        assert isinstance(first, Stored) and first.hashes == [b"h0", b"h1"]
+        assert (first.parent, first.ids, first.block_size) == (None, list(range(32)), 16)
+        assert isinstance(removed, Removed) and removed.hashes == [b"h0"]
+        assert cleared is None
+    # Another medium (an offloading tier) or KV cache group is not the prefix cache.
+    assert batch(1, {**as_map, "medium": "CPU"}, {**as_map, "group_idx": 1}).events == ()
     # Newer vLLM versions add fields at the end (a data-parallel rank): still understood.
     frames = message(8, stored(1))
     assert decode(frames, [1.0, [stored(1)], 0]).seq == 8
@@ -43,6 +66,7 @@ def test_vllm_messages_decode_and_garbage_does_not() -> None:
         ([b"t", b"\x00", b""], [1.0, []]),
         (frames, {"ts": 1.0}),
         (frames, [1.0, [["BlockStored", [b"h"], None, [], "sixteen"]]]),
+        (frames, [1.0, [{**as_map, "block_hashes": [[1]]}]]),
         (frames, [1.0, [["SomethingElse"]]]),
         (frames, [1.0, "events"]),
     ]:
@@ -74,7 +98,7 @@ def test_a_gap_degrades_the_stream_until_messages_come_in_order_again() -> None:
     assert stream.state == DEGRADED and not streams.live(0) and stream.faults == {"gap": 1}
     streams.apply(0, batch(6, stored(1)))
     assert stream.state == LIVE
-    stream.fault("garbage", "not msgpack")
+    streams.fault(0, "garbage", "not msgpack")
     assert not streams.live(0) and stream.faults == {"gap": 1, "garbage": 1}
 
 

@@ -7,8 +7,10 @@ it takes 1-2 minutes (plus ~3 min the very first time, to install the vLLM venv)
 that use it get a ``pytest.mark.timeout(900)`` unless they carry their own timeout marker:
 pytest-timeout counts fixture set-up against the first test that requests the fixture.
 
-The engines run with ``--api-key ENGINE_API_KEY`` and ``--block-size 32`` (the CPU
-default is 128): prefix caching works on
+The prefill engines publish their KV cache events (``--kv-events-config``, ZMQ on
+``engine.kv_events_port``; only routers given ``kv_events=PORT`` subscribe) and run in
+vLLM's dev mode (``/reset_prefix_cache``). The engines run with ``--api-key
+ENGINE_API_KEY`` and ``--block-size 32`` (the CPU default is 128): prefix caching works on
 full blocks only, and 32 makes ``cached_tokens`` observable with prompts of a few hundred
 tokens. The KV lease and the HTTP keep-alive are raised (see ``KV_LEASE`` and
 ``ENGINE_KEEP_ALIVE``) so that the machine's stalls do not fail the tests.
@@ -142,8 +144,13 @@ def vllm_pair(
         tmp_path_factory.mktemp("vllm-pair"),
         extra_args=["--block-size", str(BLOCK_SIZE), "--api-key", ENGINE_API_KEY],
         kv_extra_config={"kv_lease_duration": KV_LEASE},
-        extra_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE)},
+        # Dev mode: /reset_prefix_cache, which the KV events test clears the cache with.
+        extra_env={
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE),
+            "VLLM_SERVER_DEV_MODE": "1",
+        },
         spare_prefills=int(spare),
+        kv_events=True,
     ) as pair:
         _started.append(pair)
         try:

@@ -420,6 +420,8 @@ class VllmEngine:
         self.port = port
         self.side_channel_port = side_channel_port
         self.url = f"http://127.0.0.1:{port}"
+        # The port of its KV cache events (--kv-events-config), if it publishes them.
+        self.kv_events_port: int | None = None
         self.log_path = work_dir / f"{role}.log"
         self.proc: subprocess.Popen | None = None
         self._log_file = None
@@ -642,9 +644,11 @@ class VllmPair(_Harness):
         decode_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         spare_prefills: int = 0,
+        kv_events: bool = False,
     ) -> None:
         super().__init__(work_dir, venv, model_dir, startup_timeout)
         self.spare_prefills = spare_prefills
+        self.kv_events = kv_events
         self.kv_extra_config = kv_extra_config
         self.extra_args = list(extra_args)
         self.prefill_args = list(prefill_args)
@@ -705,12 +709,27 @@ class VllmPair(_Harness):
         """An engine of this pair's settings for ``role`` (not started)."""
         assert self.venv and self.model_dir
         role_args = self.prefill_args if role == "prefill" else self.decode_args
-        return VllmEngine(
+        events_port = None
+        if self.kv_events and role == "prefill":
+            # Its KV cache events, on a port of its own (``engine.kv_events_port``).
+            (events_port,) = free_ports(1)
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                # vLLM binds an endpoint with "*" or "::" in it and connects to any other:
+                # an IPv4-mapped address binds 127.0.0.1 alone.
+                "endpoint": f"tcp://[::ffff:127.0.0.1]:{events_port}",
+                "topic": "kv-events",
+            }
+            role_args = [*role_args, "--kv-events-config", json.dumps(config)]
+        engine = VllmEngine(
             role, port=port, side_channel_port=side_channel_port, cpu_bind=NO_BIND,
             venv=self.venv, model_dir=self.model_dir, work_dir=work_dir,
             kv_extra_config=self.kv_extra_config, extra_env=self.extra_env,
             optional_flags=self.flags, extra_args=self.extra_args + role_args,
         )  # fmt: skip
+        engine.kv_events_port = events_port
+        return engine
 
     @contextlib.contextmanager
     def another_prefill(self, name: str = "prefill-2") -> Iterator[VllmEngine]:

@@ -1,0 +1,275 @@
+"""What an engine holds by its KV events, in token space (``fleet/kvindex.py``), how the
+router links it to the text it routes on, and the ``cost`` policy reading it; no server.
+
+An "engine" here is what vLLM does, in a few lines: block hashes chained from a seed the
+router does not know, ``BlockStored`` with the blocks' token ids and parent hash, eviction
+of the least recently used block with ``BlockRemoved``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from pd_router.fleet.holdings import KvView, describe
+from pd_router.fleet.kvevents import EventStreams, decode
+from pd_router.fleet.kvindex import BlockIndex, Links, block_keys, cached_tokens
+from pd_router.fleet.nodes import Node, make_nodes
+from pd_router.fleet.prefill import Cost
+
+BLOCK = 16
+
+
+class Engine:
+    """vLLM's prefix cache and its events, as its ZMQ publisher sends them (0.32's maps)."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.seed = random.randbytes(8)  # what PYTHONHASHSEED makes of vLLM's hashes
+        self.capacity = capacity
+        self.blocks: dict[bytes, None] = {}  # an LRU
+        self.seq = 0
+
+    def hashes(self, ids: list[int]) -> list[bytes]:
+        parent, out = self.seed, []
+        for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+            parent = hashlib.sha256(parent + repr(ids[start : start + BLOCK]).encode()).digest()
+            out.append(parent)
+        return out
+
+    def cached(self, ids: list[int]) -> int:
+        """What vLLM reports as ``cached_tokens`` for the prompt."""
+        held = 0
+        for block_hash in self.hashes(ids):
+            if block_hash not in self.blocks:
+                break
+            held += 1
+        return cached_tokens(held, BLOCK, len(ids))
+
+    def prefill(self, ids: list[int]) -> list[bytes]:
+        """Computes the prompt; the message its publisher sends."""
+        hashes = self.hashes(ids)
+        new = [index for index, block_hash in enumerate(hashes) if block_hash not in self.blocks]
+        for block_hash in reversed(hashes):
+            self.blocks.pop(block_hash, None)
+            self.blocks[block_hash] = None
+        events: list[Any] = []
+        if new:
+            first = new[0]
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": hashes[first:],
+                    "parent_block_hash": hashes[first - 1] if first else None,
+                    "token_ids": ids[first * BLOCK : len(hashes) * BLOCK],
+                    "block_size": BLOCK,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(next(iter(self.blocks)))
+            del self.blocks[evicted[-1]]
+        for block_hash in evicted:
+            events.append({"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU"})
+        return self.message(events)
+
+    def reset(self) -> list[bytes]:
+        self.blocks.clear()
+        return self.message([{"type": "AllBlocksCleared"}])
+
+    def message(self, events: list[Any]) -> list[bytes]:
+        payload = msgpack.packb([time.time(), events, None])
+        self.seq += 1
+        return [b"kv-events", (self.seq - 1).to_bytes(8, "big"), payload]
+
+
+def apply(streams: EventStreams, node_id: int, frames: list[bytes]) -> None:
+    streams.apply(node_id, decode(frames, msgpack.unpackb(frames[2], raw=False)))
+
+
+def tokens(text: str) -> list[int]:
+    """A stand-in tokenizer: one token a word (the router never sees it)."""
+    return [
+        int.from_bytes(hashlib.blake2b(w.encode(), digest_size=3).digest()) for w in text.split()
+    ]
+
+
+def words(tag: str, count: int) -> str:
+    return " ".join(f"{tag}{index}" for index in range(count))
+
+
+def test_the_index_holds_exactly_the_blocks_the_events_say_keyed_by_their_tokens() -> None:
+    engine = Engine(capacity=20)
+    streams = EventStreams(KvView())
+    streams.watch(0, "tcp://p0:5557")
+    index = streams.streams[0].index
+    first = tokens(words("a", 200))  # 12 whole blocks
+    apply(streams, 0, engine.prefill(first))
+    assert index.block_size == BLOCK and len(index) == 12
+    # Another process hashes the same tokens to other hashes: the router's keys are its own.
+    keys = block_keys(first, BLOCK)
+    assert index.held(keys, len(keys)) == 12
+    assert cached_tokens(index.held(keys, len(keys)), BLOCK, len(first)) == engine.cached(first)
+    # A prompt that starts with it: held as far as it goes.
+    longer = first + tokens(words("b", 60))
+    longer_keys = block_keys(longer, BLOCK)
+    assert index.held(longer_keys, len(longer_keys)) == 12
+    apply(streams, 0, engine.prefill(longer))  # stored from the 13th block on, its parent known
+    assert index.held(longer_keys, len(longer_keys)) == len(longer_keys) == 16
+    # The cache holds 20 blocks: another prompt evicts the oldest, the first prompt's tail.
+    apply(streams, 0, engine.prefill(tokens(words("c", 96))))
+    held = index.held(longer_keys, len(longer_keys))
+    assert held * BLOCK == engine.cached(longer) == 14 * BLOCK  # 16 + 6 blocks, 2 evicted
+    apply(streams, 0, engine.reset())
+    assert index.held(longer_keys, len(longer_keys)) == 0 and len(index) == 0
+
+
+def test_blocks_whose_parent_the_router_never_heard_of_are_not_keyed() -> None:
+    engine = Engine()
+    engine.prefill(tokens(words("a", 64)))  # before the router subscribed
+    streams = EventStreams(KvView())
+    stream = streams.watch(0, "tcp://p0:5557")
+    apply(streams, 0, engine.prefill(tokens(words("a", 64) + " " + words("b", 64))))
+    assert stream.unkeyed == 4 and len(stream.index) == 0
+
+
+def test_blocks_with_extra_keys_are_other_blocks() -> None:
+    index = BlockIndex()
+    ids = list(range(32))
+    assert index.stored([b"x", b"y"], None, ids, BLOCK, [["salt"], None])
+    keys = block_keys(ids, BLOCK)
+    # A salted first block (vLLM's cache_salt) is not the unsalted prompt's.
+    assert index.held(keys, 2) == 0
+    assert index.stored([b"u", b"v"], None, ids, BLOCK)
+    assert index.held(keys, 2) == 2
+    index.removed([b"u"])
+    assert index.held(keys, 2) == 0
+    # Token ids that are not numbers key nothing and break nothing.
+    assert not index.stored([b"z"], None, [{}] * BLOCK, BLOCK)
+
+
+def test_links_remember_what_a_text_was_in_tokens_and_a_later_turn_extends_it() -> None:
+    links = Links()
+    text = words("w", 300)
+    prompt = describe({"model": "m", "prompt": text})
+    ids = tokens(text)
+    links.learn(prompt.chunks[-1], len(prompt.chunks) * 256, prompt.data, ids, BLOCK)
+    turn = describe({"model": "m", "prompt": text + " " + words("n", 40)})
+    match = links.match(turn.chunks, turn.data)
+    assert match is not None and match.extends == len(turn.data) - len(prompt.data)
+    assert list(match.blocks[: match.count]) == block_keys(ids, BLOCK)
+    # A prompt that shares only the whole chunks: the blocks they surely cover, no more.
+    other = describe({"model": "m", "prompt": text[:-3] + "zzz " + words("n", 40)})
+    partial = links.match(other.chunks, other.data)
+    assert partial is not None and partial.extends is None
+    covered = len(tokens(text[: len(prompt.chunks) * 256]))
+    assert 0 < partial.count * BLOCK <= covered
+    assert links.match(describe({"model": "m", "prompt": words("x", 300)}).chunks, b"") is None
+
+
+def test_links_are_bounded_by_the_block_keys_they_hold() -> None:
+    links = Links(max_blocks=100)
+    for conversation in range(20):
+        text = words(f"c{conversation}x", 200)
+        prompt = describe({"model": "m", "prompt": text})
+        links.learn(prompt.chunks[-1], len(prompt.chunks) * 256, prompt.data, tokens(text), BLOCK)
+        assert links.blocks <= 100
+    assert len(links) == 100 // 12
+    last = describe({"model": "m", "prompt": words("c19x", 200)})
+    assert links.match(last.chunks, last.data) is not None
+    first = describe({"model": "m", "prompt": words("c0x", 200)})
+    assert links.match(first.chunks, first.data) is None
+
+
+def prefill_nodes(count: int) -> list[Node]:
+    return make_nodes([f"http://p{i}:8100" for i in range(count)], 1, role="prefill")
+
+
+class Fleet:
+    """Two engines with live event streams behind a ``cost`` policy, and what a relay does:
+    pick, place, send (the engine computes it and publishes), learn from the answer."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.view = KvView()
+        self.nodes = prefill_nodes(2)
+        self.policy = Cost(self.nodes, self.view)
+        self.streams = EventStreams(self.view)
+        self.engines = [Engine(capacity), Engine(capacity)]
+        for node in self.nodes:
+            self.streams.watch(node.id, f"tcp://p{node.id}:5557")
+            # The stream's first message: live from then on.
+            apply(self.streams, node.id, self.engines[node.id].message([]))
+
+    def serve(self, text: str, on: int | None = None) -> tuple[int, int, str, int]:
+        """(node, predicted cached tokens, their source, the engine's cached tokens)."""
+        prompt = describe({"model": "m", "prompt": text})
+        node = self.policy.pick(0, prompt=prompt) if on is None else self.nodes[on]
+        assert node is not None
+        placement = self.policy.place(node, 0, prompt)
+        self.policy.release(placement)
+        ids = tokens(text)
+        engine = self.engines[node.id]
+        reported = engine.cached(ids)
+        apply(self.streams, node.id, engine.prefill(ids))
+        self.view.learn(node.id, prompt, ids)
+        assert placement.cached is not None
+        return node.id, placement.cached, placement.source, reported
+
+
+def test_a_turn_is_predicted_exactly_from_events_once_the_text_was_learned() -> None:
+    fleet = Fleet()
+    text = words("s", 400)
+    node, _, source, _ = fleet.serve(text)
+    assert source == "prediction", "nothing learned of this text yet"
+    for turn in range(3):
+        text += " " + words(f"t{turn}x", 50)
+        picked, predicted, source, reported = fleet.serve(text)
+        assert (picked, source) == (node, "events")
+        assert predicted == reported > 0
+
+
+def test_another_routers_placement_is_seen_and_an_eviction_followed() -> None:
+    """What prediction alone cannot see: the engine that held the conversation was reset
+    and another router sent its next turn to the other engine; then that engine evicted it
+    computing other routers' prompts."""
+    fleet = Fleet(capacity=60)
+    text = words("s", 400)
+    first, _, _, _ = fleet.serve(text)
+    other = 1 - first
+    apply(fleet.streams, first, fleet.engines[first].reset())
+    text += " " + words("t0x", 50)
+    apply(fleet.streams, other, fleet.engines[other].prefill(tokens(text)))  # another router
+    text += " " + words("t1x", 50)
+    prompt = describe({"model": "m", "prompt": text})
+    assert fleet.view.of(other).held(prompt.chunks) == 0, "this router placed nothing there"
+    picked, predicted, source, reported = fleet.serve(text)
+    # What this router learned (the first turn's 25 blocks) is held there, by its events.
+    assert (picked, source, predicted) == (other, "events", 400)
+    assert reported == 448, "and the other router's turn, which this one never saw the tokens of"
+    # Other routers' prompts evict the conversation there: this router's prediction still
+    # says it holds all of it, its events say what the engine will report.
+    for index in range(3):
+        apply(fleet.streams, other, fleet.engines[other].prefill(tokens(words(f"x{index}y", 300))))
+    text += " " + words("t2x", 50)
+    prompt = describe({"model": "m", "prompt": text})
+    held = fleet.view.of(other).held(prompt.chunks)
+    assert prompt.cached(held) > 400
+    cached = fleet.view.cached(other, prompt, held)
+    assert cached == fleet.engines[other].cached(tokens(text)) < 400
+    assert fleet.view.source(other, prompt) == "events"
+
+
+def test_without_a_live_stream_the_prediction_stands() -> None:
+    fleet = Fleet()
+    text = words("s", 400)
+    node, _, _, _ = fleet.serve(text)
+    fleet.streams.fault(node, "gap", "missed batches")
+    text += " " + words("t0x", 50)
+    picked, predicted, source, _ = fleet.serve(text)
+    assert (picked, source) == (node, "prediction") and predicted > 0

@@ -1,0 +1,161 @@
+"""The router's view of what a real vLLM prefill engine holds, from its KV cache events.
+
+The pair's prefill engine publishes its KV events (``conftest.py``); a router given
+``kv_events=PORT`` for it, ``--prefill-policy cost``, serves chat conversations. From a
+conversation's second turn on, the router reads what the engine holds from its events (it
+learned the earlier turn's token ids from the prefill answer): its ``predicted_cached``
+(the request log line) must be what the engine then reports as ``cached_tokens``, and after
+``/reset_prefix_cache`` (``AllBlocksCleared``) it must say 0, as the engine does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import RouterProcess
+from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY
+from tests.real_vllm.engines import VllmPair
+from tests.real_vllm.test_real_vllm import (
+    MODEL,
+    REPLY_TOKENS,
+    SETTLE,
+    client_for,
+    prompt,
+    router_for,
+    warm_handshake,
+)
+
+pytestmark = pytest.mark.real_vllm
+
+ADMIN = "kv-events-test"
+TURNS = 3
+# A turn's text is at least one 256-byte chunk of the router's (what it links tokens to),
+# and three turns fit the engines' 512 tokens with a last one sent again.
+TURN_WORDS = 34
+
+
+def stream_of(router: RouterProcess) -> dict[str, Any]:
+    answer = httpx.get(
+        f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30
+    )
+    node = next(node for node in answer.json()["nodes"] if node["role"] == "prefill")
+    return node["kv_events"]  # type: ignore[no-any-return]
+
+
+def request_lines(router: RouterProcess) -> list[dict[str, str]]:
+    lines = [line for line in router.log().splitlines() if "request_id=" in line]
+    return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+
+
+class Conversation:
+    """Chat turns through the router: each the conversation so far plus a user message."""
+
+    def __init__(self, router: RouterProcess, tag: str) -> None:
+        self.router = router
+        self.client: openai.OpenAI = client_for(router.url)
+        self.tag = tag
+        self.messages: list[dict[str, str]] = []
+        self.sent = 0
+
+    def turn(self, again: bool = False) -> tuple[int, dict[str, str]]:
+        """The engine's ``cached_tokens`` for the next turn (``again``: the last one once
+        more), and the router's log line."""
+        if again:
+            self.messages.pop()
+        else:
+            text = prompt(f"{self.tag}-turn{len(self.messages)}", words=TURN_WORDS)
+            self.messages.append({"role": "user", "content": text})
+        response = self.client.chat.completions.create(
+            model=MODEL,
+            messages=self.messages,  # type: ignore[arg-type]
+            max_tokens=REPLY_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        details = response.usage.prompt_tokens_details if response.usage else None
+        assert details is not None and details.cached_tokens is not None, response.usage
+        reply = response.choices[0].message.content or ""
+        self.messages.append({"role": "assistant", "content": reply})
+        self.sent += 1
+        # The log line is written as the answer ends, just after the client has it.
+        deadline = time.monotonic() + SETTLE
+        while len(lines := request_lines(self.router)) < self.sent:
+            assert time.monotonic() < deadline, "no log line for the request"
+            time.sleep(0.05)
+        return details.cached_tokens, lines[-1]
+
+
+def until(check: Any, what: str) -> None:
+    deadline = time.monotonic() + SETTLE
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def reset_prefix_cache(url: str) -> None:
+    """vLLM refuses (``success: false``) while blocks are held, as the last prefill's are
+    until the decode engine has pulled them: tried until it succeeds."""
+
+    def reset() -> bool:
+        request = urllib.request.Request(
+            f"{url}/reset_prefix_cache",
+            data=b"",
+            method="POST",
+            headers={"Authorization": f"Bearer {ENGINE_API_KEY}"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:  # nosec B310
+            return bool(json.loads(answer.read())["success"])
+
+    until(reset, "the prefix cache reset")
+
+
+def test_the_routers_view_is_what_the_engine_reports_cached_and_follows_a_reset(
+    vllm_pair: VllmPair,
+) -> None:
+    assert vllm_pair.prefill is not None and vllm_pair.prefill.kv_events_port is not None
+    url = vllm_pair.prefill_url
+    warm_handshake(url, vllm_pair.decode_url)
+    node = f"{url},kv_events={vllm_pair.prefill.kv_events_port}"
+    args = ("--prefill-policy", "cost", "--admin-token", ADMIN, "--log-level", "info")
+    with router_for(vllm_pair, [node], *args, log_name="router-kv-events.log") as router:
+        tag = os.urandom(3).hex()
+        # ZMQ subscribers join late: warm up with conversations of their own until the
+        # router has heard the engine store blocks (then it knows their size, 32 here).
+        warm = 0
+        while stream_of(router)["block_size"] != BLOCK_SIZE or stream_of(router)["state"] != "live":
+            assert warm < 20, stream_of(router)
+            Conversation(router, f"warm-{tag}-{warm}").turn()
+            warm += 1
+            time.sleep(0.5)
+
+        conversation = Conversation(router, f"events-{tag}")
+        seen: list[tuple[int, int]] = []
+        for turn in range(TURNS):
+            batches = stream_of(router)["seq"]
+            cached, line = conversation.turn()
+            seen.append((cached, int(line["predicted_cached"])))
+            if turn:
+                assert line["cache_source"] == "events", (line, stream_of(router))
+                assert int(line["predicted_cached"]) == cached > 0, seen
+            # The engine publishes the turn's blocks as it computes it: heard before the next.
+            until(lambda: stream_of(router)["seq"] != batches, "the turn's events")
+
+        reset_prefix_cache(url)
+        # vLLM publishes what a step did at its end, a reset's AllBlocksCleared with the next
+        # step's events: another conversation makes the idle engine step.
+        Conversation(router, f"after-reset-{tag}").turn()
+        until(lambda: stream_of(router)["clears"] >= 1, "AllBlocksCleared heard")
+        cached, line = conversation.turn(again=True)
+        seen.append((cached, int(line["predicted_cached"])))
+        print(f"\n(engine cached_tokens, router predicted_cached) by turn: {seen}")
+        assert line["cache_source"] == "events" and int(line["predicted_cached"]) == cached == 0
+        router.assert_idle()
