@@ -24,6 +24,10 @@ or by opening connections until ``accept`` fails for every other client too. Her
 
 Idle keep-alive connections are uvicorn's ``timeout_keep_alive`` (``IDLE_TIMEOUT``).
 
+A request's scope carries a ``Departure`` (``scope["extensions"][DEPARTURE]``): told
+synchronously when the client leaves before its response is complete, so the app needs no
+task reading ``receive()`` for the ``http.disconnect`` to learn it.
+
 A response's status line and headers go out in one write with its first body bytes
 (``HeadWithBody``): one syscall, and one TCP segment for the client to wake up for, fewer
 per request; a head with no body right behind it goes out when the event loop's current
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import resource
 from asyncio import AbstractEventLoop, Handle, TimerHandle, Transport
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
@@ -91,6 +95,9 @@ CONTROL_CONNECTIONS = 16
 REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connections", "shutdown")
 
 Phase = Literal["idle", "head", "body", "closing"]
+
+# The scope extension under which a request's ``Departure`` is.
+DEPARTURE = "pd_router.departure"
 
 
 def default_max_connections() -> int:
@@ -163,6 +170,10 @@ class ClientProtocol(HttpToolsProtocol):
         self.stats.open -= 1
         self._unwatch()
         super().connection_lost(exc)
+        if self.cycle is not None and self.cycle.disconnected:
+            _departure(self.cycle.scope).left(self.loop.time())
+        for cycle, _ in self.pipeline:  # requests queued behind it, never to be answered
+            _departure(cycle.scope).left(self.loop.time())
 
     def data_received(self, data: bytes) -> None:
         while data and self._phase != "closing" and not self.transport.is_closing():
@@ -192,6 +203,8 @@ class ClientProtocol(HttpToolsProtocol):
         self._phase = "body"
         self._watch(self.limits.body_timeout)
         previous = self.cycle
+        # ASGI types an extension as a dict; this one is the router's, read by its relay.
+        self.scope["extensions"] = {DEPARTURE: Departure()}  # type: ignore[dict-item]
         super().on_headers_complete()
         if self.cycle is not previous:  # not an upgrade: a request to answer
             held = HeadWithBody(self.transport, self.loop)
@@ -277,6 +290,7 @@ class ClientProtocol(HttpToolsProtocol):
             # The app's receive() says http.disconnect now, not after the linger.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+            _departure(self.cycle.scope).left(self.loop.time())
         if self.transport.can_write_eof():
             self.transport.write_eof()
         # Over TLS there is no half-close: the answer is sent, what follows read and dropped,
@@ -284,6 +298,37 @@ class ClientProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         self._unwatch()
         self._timer = self.loop.call_later(LINGER, self.transport.close)
+
+
+class Departure:
+    """The client of one request left before its response was complete: the one callback
+    set with ``on_leave`` is called once with the event loop's time it left (``loop.time()``;
+    the callback runs outside any task, where anyio cannot tell the time), at once if it
+    already had."""
+
+    __slots__ = ("_callback", "at")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[float], None] | None = None
+        self.at: float | None = None  # when the client left
+
+    def on_leave(self, callback: Callable[[float], None] | None) -> None:
+        """``callback`` is told; None: nobody is any more (the request ended)."""
+        self._callback = callback
+        if self.at is not None and callback is not None:
+            self.left(self.at)
+
+    def left(self, at: float) -> None:
+        if self.at is None:
+            self.at = at
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback(self.at)
+
+
+def _departure(scope: Any) -> Departure:
+    departure: Departure = scope["extensions"][DEPARTURE]
+    return departure
 
 
 class HeadWithBody:
