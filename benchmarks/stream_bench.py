@@ -151,6 +151,7 @@ def phase_samples(raw_path: Path) -> Counter[str]:
 
 
 W = 19  # a column of workload A's table
+IDLE_SECONDS = 5.0  # how long each router's idle CPU is read for
 
 
 # --------------------------------------------------------------------------- the run
@@ -270,6 +271,9 @@ class Bench:
         # Workload B: CPU ms of each process over the whole phase, and requests per mode.
         self.b_cpu_ms: dict[str, float] = {}
         self.b_requests = 0
+        self.b_seconds = 0.0
+        # CPU ms per second of each process with no load, read before workload B.
+        self.idle_cpu_ms_per_s: dict[str, float] = {}
         self.runs: list[ThroughputRun] = []
         self.profile_run: ThroughputRun | None = None
         self.profile: Profile | None = None
@@ -372,6 +376,14 @@ class Bench:
             f"B: {config.ttft_requests} sequential requests per mode ({labels}, manual P/D), "
             f"max_tokens={config.ttft_tokens}"
         )
+        # Each router's own background work (probes, watches) with no request: part of its
+        # CPU per request at one client, where it runs while the other modes' requests do.
+        meter = CpuMeter(self.pids)
+        meter.start()
+        await asyncio.sleep(IDLE_SECONDS)
+        self.idle_cpu_ms_per_s = {
+            name: ms / IDLE_SECONDS for name, ms in meter.stop().items() if name in self.pids
+        }
         meter = CpuMeter(self.pids)
         meter.start()
         start = time.perf_counter()
@@ -384,7 +396,8 @@ class Bench:
             tokens=config.ttft_tokens,
             warmup=config.ttft_warmup,
         )
-        capacity = (time.perf_counter() - start) * 1000.0 * (os.cpu_count() or 1) / 100.0
+        self.b_seconds = time.perf_counter() - start
+        capacity = self.b_seconds * 1000.0 * (os.cpu_count() or 1) / 100.0
         self.b_cpu_ms = meter.stop()
         self.b_requests = config.ttft_requests + config.ttft_warmup
         self.ttft_other_busy_pct = self.b_cpu_ms["other"] / capacity
@@ -517,6 +530,8 @@ class Bench:
             "ttft": {mode: asdict(summary) for mode, summary in self.latency.items()},
             "ttft_other_busy_pct": self.ttft_other_busy_pct,
             "one_client_cpu_ms_per_request": self.one_client_cpu(),
+            "idle_cpu_ms_per_s": self.idle_cpu_ms_per_s,
+            "one_client_seconds": self.b_seconds,
             "targets": [asdict(target) for target in self.targets()],
             "streams": [asdict(run) for run in self.streams],
             "comparison": self.comparison(),
@@ -877,8 +892,15 @@ class Bench:
         one = self.one_client_cpu()
         log(
             f"   router CPU ms per request at 1 client ({self.b_requests} requests each, warm-up "
-            "included): " + ",  ".join(f"{MODE_LABELS[mode]} {ms:.3f}" for mode, ms in one.items())
+            f"included; {self.b_seconds:.1f} s):"
         )
+        for mode, ms in one.items():
+            idle = self.idle_cpu_ms_per_s.get(ROUTER_PROCESS[mode], 0.0)
+            share = idle * self.b_seconds / self.b_requests
+            log(
+                f"     {MODE_LABELS[mode]:<20}{ms:7.3f}   of which idle work {share:.3f} "
+                f"({idle:.1f} ms/s with no request: probes, watches, timers)"
+            )
         log(
             "   (routed and manual P/D include a real prefill request and a KV pull from the "
             "prefill engine;\n    direct has neither, so routed - direct is not all router "
