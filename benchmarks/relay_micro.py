@@ -30,7 +30,8 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.processes import checkouts  # noqa: E402
 
 # Run in a fresh interpreter with the revision's tree first on sys.path: argv[1] the tree,
-# argv[2] the requests. Only the relay's public entry points, which every revision has.
+# argv[2] the requests. Only the relay's public entry points, which every revision has;
+# ``post`` takes whatever a revision passes after the request id (``via``, headers).
 WORKER = r"""
 import asyncio, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -59,7 +60,7 @@ class Answer:
         return chunk
 
 class Engines:
-    async def post(self, url, body, request_id, headers=b""):
+    async def post(self, url, body, request_id, *args):
         if url.startswith("http://prefill"):
             return Answer(url, PREFILL)
         return Answer(url, STREAM if body.get("stream") else ANSWER)
@@ -67,10 +68,13 @@ class Engines:
 class Client:
     def __init__(self):
         self.done = asyncio.Event()
+        self.status = 0
     async def receive(self):
         await self.done.wait()
         return {"type": "http.disconnect"}
     async def send(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
         if message["type"] == "http.response.body" and not message.get("more_body"):
             self.done.set()
 
@@ -83,6 +87,8 @@ async def main(requests):
         client = Client()
         await Relay(router, "completions", {**body, "stream": index % 2 == 0}, f"r{index}")(
             {}, client.receive, client.send)
+        if client.status != 200:  # an error's path is not what is measured
+            raise SystemExit(f"request {index} answered {client.status}")
     for index in range(2000):
         await one(index)
     start = time.process_time()

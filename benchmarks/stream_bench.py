@@ -7,16 +7,20 @@ PyPI, in its vLLM P/D mode) next to it, in front of the same engines. Then it dr
 from this process with asyncio + aiohttp:
 
 * Workload A, throughput: streaming ``/v1/completions`` from many concurrent clients,
-  DIRECT (round-robin over both decode engines), ROUTED (through pd-router) and VLLM-ROUTER,
-  in alternating order. Reports requests/s, chunks/s, the ratios to direct, errors, and
+  DIRECT (round-robin over both decode engines), ROUTED (through pd-router), ROUTED with
+  ``--state`` (a second pd-router sharing a redis-server) and VLLM-ROUTER, in alternating
+  order. Reports requests/s, chunks/s, TTFT p50/p99, the ratios to direct, errors, and
   CPU milliseconds per request of each router and engine (``/proc/<pid>/stat``).
 * Workload B, added TTFT: one client, sequential requests, interleaving DIRECT, MANUAL P/D
   (this client calls the prefill engine, then the decode engine with the returned
-  ``kv_transfer_params``: what a router does, minus the router), ROUTED and VLLM-ROUTER.
+  ``kv_transfer_params``: what a router does, minus the router), the routers; and each
+  router's CPU per request at one client.
 * Workload D, open streams: a second pd-router, in front of the same prefill engine and two
   extra slow decode engines (``--itl 0.05``), holds ``--streams`` streams open at once;
   reports its RSS per open stream, errors and effective tokens/s. Then vllm-router alone in
   front of the same engines, the same way.
+
+Last, issue 22's targets, each met or not, from this run's numbers.
 
 The routed path does more work than the direct one: a real prefill request and a KV pull
 from the prefill engine. ROUTED - DIRECT is what a client sees; ROUTED - MANUAL P/D is
@@ -72,14 +76,82 @@ from benchmarks.processes import (  # noqa: E402
     run_coroutine,
     vllm_router_version,
 )
-from benchmarks.report import log, machine_info  # noqa: E402
+from benchmarks.report import log, machine_info, percentile  # noqa: E402
 from benchmarks.workloads.added_ttft import LatencySummary, added_ttft  # noqa: E402
 from benchmarks.workloads.open_streams import StreamsRun, hold_streams  # noqa: E402
 from benchmarks.workloads.requests import PATH  # noqa: E402
 from benchmarks.workloads.throughput import ThroughputRun, throughput  # noqa: E402
 from pd_router.sim.fleet import RouterProcess, ServerProcess, SimFleet  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 OTHER_LOAD_WARNING_PCT = 10.0
+
+# Where a request's time goes (issue 22's table), from the profile's stacks: a sample
+# belongs to the phase of the innermost frame that names one (``phase_of``). Engine I/O
+# (a request's write, its answer's parsing) is the phase of the relay step that waited for
+# it; callbacks the event loop runs on its own (a socket's bytes parsed) are their own rows.
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("log line", ("(pd_router/ops/logs.py", "(logging/")),
+    ("metrics", ("(pd_router/ops/metrics.py", "Relay._report ")),
+    ("parse (JSON)", ("parse_body ",)),
+    ("validate", ("(pd_router/edge/validation.py",)),
+    ("pick (prefill policy)", ("(pd_router/fleet/prefill.py", "(pd_router/fleet/holdings.py")),
+    (
+        "release",
+        (
+            "Reservation.release ",
+            "DecodePool._give_back ",
+            "Relay.close_upstream ",
+            "Response.close ",
+            "Upstream.release ",
+            "Fleet.leave ",
+        ),
+    ),
+    (
+        "reserve",
+        ("(pd_router/fleet/pool.py", "Fleet.bind ", "Fleet.admit ", "Relay._reserve "),
+    ),
+    ("prefill call", ("Relay._prefill_on ", "Relay._prefill ")),
+    ("hand-off (decode request)", ("Relay._handoff_to ", "Relay._decode ")),
+    ("relay events", ("Relay._relay_events ", "(pd_router/engines/sse.py")),
+    ("disconnect watcher", ("Relay._watch ", "_spawn_watcher ")),
+    (
+        "request head, body read, relay set-up",
+        ("OpenAIRoute.__call__ ", "RouterApp.__call__ ", "Relay.__init__ ", "Relay.__call__ "),
+    ),
+    ("engine bytes in (protocol callbacks)", ("(pd_router/engines/connection.py",)),
+    ("client bytes in (uvicorn)", ("(uvicorn/",)),
+    ("event loop (epoll, socket reads, wake-ups)", ("Runner.run ",)),
+)
+
+
+# The last phases are what the others call too (an engine request's write, a client's
+# event's): a stack is theirs only when no other phase is on it.
+_LOW_LEVEL = 3
+
+
+def phase_of(frames: Sequence[str]) -> str:
+    """The phase of one sampled stack (root first)."""
+    for rules in (PHASES[:-_LOW_LEVEL], PHASES[-_LOW_LEVEL:]):
+        for frame in reversed(frames):
+            for phase, marks in rules:
+                if any(mark in frame for mark in marks):
+                    return phase
+    return "other (background work, GC, ...)"
+
+
+def phase_samples(raw_path: Path) -> Counter[str]:
+    """Samples per phase in py-spy's collapsed stacks (\"f1;f2;leaf count\" per line)."""
+    phases: Counter[str] = Counter()
+    for line in raw_path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            phases[phase_of(stack.split(";"))] += int(count)
+    return phases
+
+
+W = 19  # a column of workload A's table
+IDLE_SECONDS = 5.0  # how long each router's idle CPU is read for
 
 
 # --------------------------------------------------------------------------- the run
@@ -110,12 +182,57 @@ class Config:
     phase_cap: float
     vllm_router: str
     vllm_router_version: str
+    state: bool
 
 
 # Workload A/B mode -> column label; CPU process name -> row label.
-MODE_LABELS = {"direct": "direct", "routed": "pd-router", "vllm_router": "vllm-router"}
-PROCESS_LABELS = {"router": "pd-router"}
-SERVER_PROCESSES = ("router", "vllm-router", "prefill", "decode0", "decode1")
+MODE_LABELS = {
+    "direct": "direct",
+    "routed": "pd-router",
+    "routed_state": "pd-router --state",
+    "vllm_router": "vllm-router",
+}
+PROCESS_LABELS = {
+    "router": "pd-router",
+    "router-state": "pd-router --state",
+    "redis": "redis-server",
+}
+SERVER_PROCESSES = (
+    "router",
+    "router-state",
+    "redis",
+    "vllm-router",
+    "prefill",
+    "decode0",
+    "decode1",
+)
+# Each routed mode's router process.
+ROUTER_PROCESS = {"routed": "router", "routed_state": "router-state", "vllm_router": "vllm-router"}
+ENGINES = ("prefill", "decode0", "decode1")
+
+
+def _serving(mode: str) -> tuple[str, ...]:
+    """The processes that serve ``mode``'s requests (the other routers idle meanwhile)."""
+    router = ROUTER_PROCESS.get(mode)
+    if router is None:
+        return ENGINES
+    return (router, *(("redis",) if mode == "routed_state" else ()), *ENGINES)
+
+
+# Issue 22's targets (see ``Bench.targets``).
+CPU_RATIO_TARGET = 0.8
+P99_OVER_BASELINE_MS = 1.0
+STATE_CPU_MS = 0.08
+STATE_TTFT_P50_MS = 0.3
+
+
+@dataclass
+class Target:
+    """One of issue 22's targets, from this run's numbers."""
+
+    target: str
+    measured: str
+    met: bool
 
 
 class Bench:
@@ -125,25 +242,42 @@ class Bench:
         fleet: SimFleet,
         router: RouterProcess,
         vllm: VllmRouterProcess | None = None,
+        state: tuple[RouterProcess, RedisServer] | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
         self.router = router
         self.vllm = vllm
+        self.state = state
         self.decode_urls = [engine.url for engine in fleet.decode]
         self.prefill_url = fleet.prefill[0].url
-        self.modes = ["direct", "routed"] + (["vllm_router"] if vllm is not None else [])
+        self.modes = ["direct", "routed"]
         self.mode_urls = {"direct": self.decode_urls, "routed": [router.url]}
+        if state is not None:
+            self.modes.append("routed_state")
+            self.mode_urls["routed_state"] = [state[0].url]
         if vllm is not None:
+            self.modes.append("vllm_router")
             self.mode_urls["vllm_router"] = [vllm.url]
         self.pids: dict[str, int] = {}
         for name, process in self._named_processes():
             if process.pid is None:
                 raise RuntimeError(f"{name} is not running")
             self.pids[name] = process.pid
+        if state is not None:
+            self.pids["redis"] = state[1].pid
+        # Workload A's times to first text event, per mode, over its measured passes.
+        self.a_ttfts: dict[str, list[float]] = {mode: [] for mode in self.modes}
+        # Workload B: CPU ms of each process over the whole phase, and requests per mode.
+        self.b_cpu_ms: dict[str, float] = {}
+        self.b_requests = 0
+        self.b_seconds = 0.0
+        # CPU ms per second of each process with no load, read before workload B.
+        self.idle_cpu_ms_per_s: dict[str, float] = {}
         self.runs: list[ThroughputRun] = []
         self.profile_run: ThroughputRun | None = None
         self.profile: Profile | None = None
+        self.phases: Counter[str] = Counter()
         self.latency: dict[str, LatencySummary] = {}
         self._tags = itertools.count()
         self.loadavg: dict[str, tuple[float, float, float]] = {}
@@ -154,6 +288,8 @@ class Bench:
 
     def _named_processes(self) -> Iterator[tuple[str, ServerProcess]]:
         yield "router", self.router
+        if self.state is not None:
+            yield "router-state", self.state[0]
         if self.vllm is not None:
             yield "vllm-router", self.vllm
         yield "prefill", self.fleet.prefill[0]
@@ -161,7 +297,12 @@ class Bench:
             yield f"decode{index}", engine
 
     async def _throughput(
-        self, mode: str, round_: int, requests: int, time_cap: float | None = None
+        self,
+        mode: str,
+        round_: int,
+        requests: int,
+        time_cap: float | None = None,
+        ttfts: list[float] | None = None,
     ) -> ThroughputRun:
         config = self.config
         urls = self.mode_urls.get(mode, [self.router.url])
@@ -174,6 +315,7 @@ class Bench:
             tokens=config.tokens,
             time_cap=config.time_cap if time_cap is None else time_cap,
             tag=f"{mode}{next(self._tags)}",
+            ttfts=ttfts,
         )
         used = meter.stop()
         if "vllm-router" in self.pids:
@@ -218,10 +360,12 @@ class Bench:
             # Odd rounds in one order, even rounds in the reverse one.
             order = self.modes if round_ % 2 else self.modes[::-1]
             for mode in order:
-                run = await self._throughput(mode, round_, config.requests)
+                run = await self._throughput(
+                    mode, round_, config.requests, ttfts=self.a_ttfts[mode]
+                )
                 self.runs.append(run)
                 log(
-                    f"  A round {round_} {MODE_LABELS[mode]:<11} {run.ok:>6} ok"
+                    f"  A round {round_} {MODE_LABELS[mode]:<17} {run.ok:>6} ok"
                     f"  {run.requests_per_s:8.1f} req/s  {run.chunks_per_s:10.0f} chunks/s"
                     f"  {run.seconds:6.2f} s  errors={run.errors or 0}"
                     f"{'  (time cap hit)' if run.capped else ''}"
@@ -232,6 +376,14 @@ class Bench:
             f"B: {config.ttft_requests} sequential requests per mode ({labels}, manual P/D), "
             f"max_tokens={config.ttft_tokens}"
         )
+        # Each router's own background work (probes, watches) with no request: part of its
+        # CPU per request at one client, where it runs while the other modes' requests do.
+        meter = CpuMeter(self.pids)
+        meter.start()
+        await asyncio.sleep(IDLE_SECONDS)
+        self.idle_cpu_ms_per_s = {
+            name: ms / IDLE_SECONDS for name, ms in meter.stop().items() if name in self.pids
+        }
         meter = CpuMeter(self.pids)
         meter.start()
         start = time.perf_counter()
@@ -244,8 +396,11 @@ class Bench:
             tokens=config.ttft_tokens,
             warmup=config.ttft_warmup,
         )
-        capacity = (time.perf_counter() - start) * 1000.0 * (os.cpu_count() or 1) / 100.0
-        self.ttft_other_busy_pct = meter.stop()["other"] / capacity
+        self.b_seconds = time.perf_counter() - start
+        capacity = self.b_seconds * 1000.0 * (os.cpu_count() or 1) / 100.0
+        self.b_cpu_ms = meter.stop()
+        self.b_requests = config.ttft_requests + config.ttft_warmup
+        self.ttft_other_busy_pct = self.b_cpu_ms["other"] / capacity
 
     def run_streams(self, runner: asyncio.Runner) -> None:
         """Workload D: its own slow decode engines and routers, started and stopped here."""
@@ -349,6 +504,7 @@ class Bench:
             return
         self.profile = read_profile(out)
         self.profile.expected = PY_SPY_RATE * config.profile_seconds
+        self.phases = phase_samples(out)
 
     # ----------------------------------------------------------------------- report
 
@@ -373,9 +529,14 @@ class Bench:
             },
             "ttft": {mode: asdict(summary) for mode, summary in self.latency.items()},
             "ttft_other_busy_pct": self.ttft_other_busy_pct,
+            "one_client_cpu_ms_per_request": self.one_client_cpu(),
+            "idle_cpu_ms_per_s": self.idle_cpu_ms_per_s,
+            "one_client_seconds": self.b_seconds,
+            "targets": [asdict(target) for target in self.targets()],
             "streams": [asdict(run) for run in self.streams],
             "comparison": self.comparison(),
             "profile": asdict(self.profile) if self.profile else None,
+            "phases": dict(self.phases),
             "loadavg": self.loadavg,
             "notes": self.notes,
         }
@@ -393,7 +554,10 @@ class Bench:
             errors: Counter[str] = Counter()
             for run in runs:
                 errors.update(run.errors)
+            ttfts = [seconds * 1000.0 for seconds in self.a_ttfts.get(mode, [])]
             summary[mode] = {
+                "ttft_p50_ms": percentile(ttfts, 50) if ttfts else float("nan"),
+                "ttft_p99_ms": percentile(ttfts, 99) if ttfts else float("nan"),
                 "requests": sent,
                 "ok": ok,
                 "errors": sum(errors.values()),
@@ -420,13 +584,29 @@ class Bench:
             ]
         return summary
 
+    def one_client_cpu(self) -> dict[str, float]:
+        """Workload B: each router's CPU ms per request it served at one client (its idle
+        work while the other modes ran included: pd-router's health probes, say)."""
+        if not self.b_requests:
+            return {}
+        return {
+            mode: self.b_cpu_ms.get(ROUTER_PROCESS[mode], float("nan")) / self.b_requests
+            for mode in self.modes
+            if mode in ROUTER_PROCESS
+        }
+
+    def a_cpu(self, mode: str) -> float:
+        """Workload A: the router's CPU ms per request of its own passes."""
+        t = self.throughput_summary()
+        return float(t[mode]["cpu_ms_per_request"].get(ROUTER_PROCESS[mode], float("nan")))
+
     def comparison(self) -> dict[str, Any] | None:
         """pd-router next to vllm-router, each against its in-run baseline."""
         if self.vllm is None or not self.runs:
             return None
         t = self.throughput_summary()
-        pd_cpu = t["routed"]["cpu_ms_per_request"].get("router", float("nan"))
-        vllm_cpu = t["vllm_router"]["cpu_ms_per_request"].get("vllm-router", float("nan"))
+        pd_cpu = self.a_cpu("routed")
+        vllm_cpu = self.a_cpu("vllm_router")
         result: dict[str, Any] = {
             "cpu_ms_per_request": {"pd_router": pd_cpu, "vllm_router": vllm_cpu},
             "cpu_ratio_pd_over_vllm": pd_cpu / vllm_cpu if vllm_cpu else float("nan"),
@@ -434,7 +614,20 @@ class Bench:
                 "pd_router": t["ratio_routed_over_direct"]["requests_per_s"],
                 "vllm_router": t["ratio_vllm_router_over_direct"]["requests_per_s"],
             },
+            "ttft_64_clients_ms": {
+                name: {q: t[mode][f"ttft_{q}_ms"] for q in ("p50", "p99")}
+                for name, mode in (("pd_router", "routed"), ("vllm_router", "vllm_router"))
+            },
         }
+        one = self.one_client_cpu()
+        if one:
+            result["one_client_cpu_ms_per_request"] = {
+                "pd_router": one["routed"],
+                "vllm_router": one["vllm_router"],
+            }
+            result["one_client_cpu_ratio_pd_over_vllm"] = (
+                one["routed"] / one["vllm_router"] if one["vllm_router"] else float("nan")
+            )
         if self.latency:
             manual = self.latency["manual_pd"]
             result["added_ttft_over_manual_pd_ms"] = {
@@ -451,6 +644,80 @@ class Bench:
                 "vllm_router": streams["vllm-router"].kib_per_stream,
             }
         return result
+
+    def targets(self) -> list[Target]:
+        """Issue 22's targets that this run measured, each met or not. At one client the
+        TTFT baseline is manual P/D: for a disaggregated request, "sending straight to the
+        engine" is the client doing P/D itself (a prefill and a KV pull included)."""
+        if not self.runs or not self.latency:
+            return []
+        t = self.throughput_summary()
+        lat = self.latency
+        manual = lat["manual_pd"]
+        one = self.one_client_cpu()
+        targets: list[Target] = []
+
+        def add(target: str, measured: str, met: bool) -> None:
+            targets.append(Target(target, measured, met))
+
+        if "vllm_router" in self.modes:
+            vllm = lat["vllm_router"]
+            for where, pd, rust in (
+                ("64 clients (A)", self.a_cpu("routed"), self.a_cpu("vllm_router")),
+                ("1 client (B)", one["routed"], one["vllm_router"]),
+            ):
+                ratio = pd / rust if rust else float("nan")
+                add(
+                    f"router CPU/request at {where} <= {CPU_RATIO_TARGET}x vllm-router's",
+                    f"{pd:.3f} vs {rust:.3f} ms ({ratio:.2f}x)",
+                    ratio <= CPU_RATIO_TARGET,
+                )
+            pd_p50 = lat["routed"].p50_ms - manual.p50_ms
+            rust_p50 = vllm.p50_ms - manual.p50_ms
+            add(
+                "TTFT p50 added at 1 client (over manual P/D) <= vllm-router's",
+                f"{pd_p50:+.2f} vs {rust_p50:+.2f} ms",
+                pd_p50 <= rust_p50,
+            )
+            pd_p99, rust_p99 = t["routed"]["ttft_p99_ms"], t["vllm_router"]["ttft_p99_ms"]
+            add(
+                "TTFT p99 at 64 clients <= vllm-router's",
+                f"{pd_p99:.2f} vs {rust_p99:.2f} ms",
+                pd_p99 <= rust_p99,
+            )
+        p99 = lat["routed"].p99_ms - manual.p99_ms
+        add(
+            f"TTFT p99 at 1 client within {P99_OVER_BASELINE_MS:g} ms of manual P/D's",
+            f"{lat['routed'].p99_ms:.2f} vs {manual.p99_ms:.2f} ms ({p99:+.2f})",
+            p99 <= P99_OVER_BASELINE_MS,
+        )
+        if "routed_state" in self.modes:
+            for where, plain, shared in (
+                ("64 clients (A)", self.a_cpu("routed"), self.a_cpu("routed_state")),
+                ("1 client (B)", one["routed"], one["routed_state"]),
+            ):
+                add(
+                    f"--state adds <= {STATE_CPU_MS} ms router CPU/request at {where}",
+                    f"{shared:.3f} vs {plain:.3f} ms ({shared - plain:+.3f})",
+                    shared - plain <= STATE_CPU_MS,
+                )
+            added = lat["routed_state"].p50_ms - lat["routed"].p50_ms
+            add(
+                f"--state adds <= {STATE_TTFT_P50_MS} ms TTFT p50 at 1 client",
+                f"{lat['routed_state'].p50_ms:.2f} vs {lat['routed'].p50_ms:.2f} ms "
+                f"({added:+.2f})",
+                added <= STATE_TTFT_P50_MS,
+            )
+        return targets
+
+    def _print_targets(self, targets: list[Target]) -> None:
+        log("issue 22 targets (this run):")
+        for target in targets:
+            log(f"   {'met    ' if target.met else 'NOT MET'}  {target.target}: {target.measured}")
+        log(
+            "   (client keys and tracing: benchmarks/keys_cost.py and tracing_cost.py; CPU is "
+            "read in 10 ms\n    ticks, so B's CPU per request moves by about 10 ms / requests)"
+        )
 
     def print_report(self) -> None:
         config = self.config
@@ -501,6 +768,10 @@ class Bench:
         if comparison is not None:
             log("")
             self._print_comparison(comparison)
+        targets = self.targets()
+        if targets:
+            log("")
+            self._print_targets(targets)
         if self.notes:
             log("")
             for note in self.notes:
@@ -516,17 +787,19 @@ class Bench:
             f"{config.concurrency} clients, {config.requests} requests x {config.rounds} "
             f"round(s) per mode"
         )
-        log(f"   {'':<24}" + "".join(f"{MODE_LABELS[mode]:>13}" for mode in modes))
+        log(f"   {'':<24}" + "".join(f"{MODE_LABELS[mode]:>{W}}" for mode in modes))
         for key, label, fmt in (
             ("requests_per_s", "requests/s", ".1f"),
             ("chunks_per_s", "chunks/s", ".0f"),
+            ("ttft_p50_ms", "TTFT p50 ms", ".2f"),
+            ("ttft_p99_ms", "TTFT p99 ms", ".2f"),
         ):
-            log(f"   {label:<24}" + "".join(f"{t[mode][key]:>13{fmt}}" for mode in modes))
+            log(f"   {label:<24}" + "".join(f"{t[mode][key]:>{W}{fmt}}" for mode in modes))
         log(
-            f"   {'requests/s vs direct':<24}{1.0:>13.3f}"
-            + "".join(f"{t[f'ratio_{m}_over_direct']['requests_per_s']:>13.3f}" for m in modes[1:])
+            f"   {'requests/s vs direct':<24}{1.0:>{W}.3f}"
+            + "".join(f"{t[f'ratio_{m}_over_direct']['requests_per_s']:>{W}.3f}" for m in modes[1:])
         )
-        log(f"   {'errors':<24}" + "".join(f"{t[mode]['errors']:>13}" for mode in modes))
+        log(f"   {'errors':<24}" + "".join(f"{t[mode]['errors']:>{W}}" for mode in modes))
         for mode in modes[1:]:
             per_round = t["ratio_per_round" + ("" if mode == "routed" else f"_{mode}")]
             if len(per_round) > 1:
@@ -548,13 +821,13 @@ class Bench:
             log(
                 f"     {label:<22}"
                 + "".join(
-                    f"{t[mode]['cpu_ms_per_request'].get(name, 0.0):>13.3f}" for mode in modes
+                    f"{t[mode]['cpu_ms_per_request'].get(name, 0.0):>{W}.3f}" for mode in modes
                 )
             )
         log(
             f"     {'all servers':<22}"
             + "".join(
-                f"{sum(t[mode]['cpu_ms_per_request'].get(k, 0.0) for k in SERVER_PROCESSES):>13.3f}"
+                f"{sum(t[mode]['cpu_ms_per_request'].get(k, 0.0) for k in _serving(mode)):>{W}.3f}"
                 for mode in modes
             )
         )
@@ -586,11 +859,12 @@ class Bench:
             f"   other processes used {self.ttft_other_busy_pct:.0f}% of the machine meanwhile"
             + ("  WARNING: latencies are unreliable" if warn else "")
         )
-        log(f"   {'':<26}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'errors':>8}")
+        log(f"   {'':<28}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'errors':>8}")
         labels = {
             "direct": "direct (decode engine)",
             "manual_pd": "manual P/D (no router)",
             "routed": "routed (pd-router)",
+            "routed_state": "routed (pd-router --state)",
             "vllm_router": "routed (vllm-router)",
             "prefill_hop": "  prefill hop alone",
         }
@@ -599,12 +873,14 @@ class Bench:
                 continue
             s = self.latency[mode]
             log(
-                f"   {label:<26}{s.p50_ms:>10.2f}{s.p90_ms:>10.2f}{s.p99_ms:>10.2f}"
+                f"   {label:<28}{s.p50_ms:>10.2f}{s.p90_ms:>10.2f}{s.p99_ms:>10.2f}"
                 f"{s.mean_ms:>10.2f}{sum(s.errors.values()):>8}"
             )
         d, m = self.latency["direct"], self.latency["manual_pd"]
         rows = [("added TTFT, pd-router - direct:", self.latency["routed"], d)]
         rows.append(("pd-router's own, - manual P/D:", self.latency["routed"], m))
+        if "routed_state" in self.latency:
+            rows.append(("pd-router --state, - manual P/D:", self.latency["routed_state"], m))
         if "vllm_router" in self.latency:
             rows.append(("added TTFT, vllm-router - direct:", self.latency["vllm_router"], d))
             rows.append(("vllm-router's own, - manual P/D:", self.latency["vllm_router"], m))
@@ -612,6 +888,18 @@ class Bench:
             log(
                 f"   {label:<36}p50 {r.p50_ms - base.p50_ms:+6.2f} ms   p90 "
                 f"{r.p90_ms - base.p90_ms:+6.2f} ms   p99 {r.p99_ms - base.p99_ms:+6.2f} ms"
+            )
+        one = self.one_client_cpu()
+        log(
+            f"   router CPU ms per request at 1 client ({self.b_requests} requests each, warm-up "
+            f"included; {self.b_seconds:.1f} s):"
+        )
+        for mode, ms in one.items():
+            idle = self.idle_cpu_ms_per_s.get(ROUTER_PROCESS[mode], 0.0)
+            share = idle * self.b_seconds / self.b_requests
+            log(
+                f"     {MODE_LABELS[mode]:<20}{ms:7.3f}   of which idle work {share:.3f} "
+                f"({idle:.1f} ms/s with no request: probes, watches, timers)"
             )
         log(
             "   (routed and manual P/D include a real prefill request and a KV pull from the "
@@ -687,6 +975,20 @@ class Bench:
             f"({c['cpu_ratio_pd_over_vllm']:.2f}x);  requests/s vs direct "
             f"{ratio['pd_router']:.3f} vs {ratio['vllm_router']:.3f}"
         )
+        a_ttft = c["ttft_64_clients_ms"]
+        log(
+            "   A. TTFT at 64 clients: "
+            + ";  ".join(
+                f"{q} {a_ttft['pd_router'][q]:.2f} vs {a_ttft['vllm_router'][q]:.2f} ms"
+                for q in ("p50", "p99")
+            )
+        )
+        one = c.get("one_client_cpu_ms_per_request")
+        if one:
+            log(
+                f"   B. CPU ms/request at 1 client {one['pd_router']:.3f} vs "
+                f"{one['vllm_router']:.3f} ({c['one_client_cpu_ratio_pd_over_vllm']:.2f}x)"
+            )
         ttft = c.get("added_ttft_over_manual_pd_ms")
         if ttft:
             log(
@@ -733,6 +1035,18 @@ class Bench:
             share = count / profile.samples * 100 if profile.samples else 0.0
             log(f"   {share:6.1f}%  {count:>6}  {frame}")
         log(f"   collapsed stacks: {profile.raw_path}")
+        total = sum(self.phases.values())
+        if run is None or not total:
+            return
+        cpu = run.cpu_ms_per_request.get("router", 0.0) * 1000.0
+        log(
+            f"   where a request's router CPU goes ({cpu:.0f} us per request in this pass, "
+            "shared out by samples):"
+        )
+        order = [phase for phase, _ in PHASES] + ["other (background work, GC, ...)"]
+        for phase in order:
+            share = self.phases.get(phase, 0) / total
+            log(f"   {cpu * share:8.1f} us  {share * 100:5.1f}%  {phase}")
 
 
 # --------------------------------------------------------------------------- main
@@ -798,6 +1112,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--install-timeout", type=float, default=300.0, help="seconds for that install"
     )
+    parser.add_argument(
+        "--no-state",
+        action="store_true",
+        help="leave out the pd-router --state redis://... column (and its redis-server)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     return parser.parse_args(argv)
 
@@ -847,6 +1166,7 @@ def make_config(args: argparse.Namespace, vllm_router: str | None) -> Config:
         phase_cap=args.phase_cap,
         vllm_router=vllm_router or "",
         vllm_router_version=vllm_router_version(vllm_router) if vllm_router else "",
+        state=not args.no_state,
     )
 
 
@@ -899,6 +1219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(config.decode_slots),
             )
             stack.enter_context(router)
+            state = None
+            if config.state:
+                log("starting redis-server and pd-router --state on it")
+                redis = stack.enter_context(RedisServer())
+                shared = RouterProcess(
+                    [fleet.prefill[0].url],
+                    [engine.url for engine in fleet.decode],
+                    "--decode-slots",
+                    str(config.decode_slots),
+                    "--state",
+                    redis.url,
+                )
+                state = stack.enter_context(shared), redis
             if vllm_exe:
                 log(f"starting vllm-router {config.vllm_router_version} ({vllm_exe})")
                 candidate = VllmRouterProcess(
@@ -909,7 +1242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except RuntimeError as exc:
                     notes.append(f"vllm-router did not start, its columns are skipped: {exc}")
                     log(notes[-1])
-            bench = Bench(config, fleet, router, vllm)
+            bench = Bench(config, fleet, router, vllm, state)
             bench.notes.extend(notes)
             log(
                 "pids: "

@@ -7,11 +7,13 @@ would not run). The client gets exactly one terminal outcome, sent from there to
 
 Cancellation contract:
 
-* uvicorn never cancels the app when a client leaves; a watcher task reads ``receive()``
-  and cancels the relay on ``http.disconnect``. Queued: the waiter leaves the queue at
-  once. Decode streaming: the upstream connection is closed, so the engine aborts. The
-  ASGI server also reports ``http.disconnect`` once the response is complete; that is
-  how the watcher ends, so it needs no task group and no cancellation.
+* uvicorn never cancels the app when a client leaves; the router's client protocol tells
+  the request's ``Departure`` (``edge/protocol.py``), which cancels the relay (another ASGI
+  server: a watcher task reads ``receive()`` for the ``http.disconnect``). Queued: the
+  waiter leaves the queue at once. Decode streaming: the upstream connection is closed,
+  so the engine aborts. The ASGI server also reports ``http.disconnect`` once the
+  response is complete; that is how the watcher ends, so it needs no task group and no
+  cancellation.
 * From the prefill request to the decode engine having the KV (a non-streamed answer's
   headers, a streamed answer's first bytes, since vLLM sends a stream's headers before it
   pulls the blocks) the relay is shielded: the prefill engine pins the KV as it answers
@@ -42,6 +44,7 @@ from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
+from pd_router.edge.protocol import DEPARTURE, Departure
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -179,9 +182,13 @@ class Relay:
         client = self.client
         client.attach(send)
         error: RouterError | None = None
+        departure: Departure | None = scope.get("extensions", {}).get(DEPARTURE)
         try:
             with anyio.CancelScope() as self._scope:
-                _spawn_watcher(self._watch, receive)
+                if departure is None:
+                    _spawn_watcher(self._watch, receive)
+                else:
+                    departure.on_leave(self._client_left)
                 try:
                     await self._run(client)
                 except RouterError as exc:
@@ -202,6 +209,8 @@ class Relay:
             # client that left before its answer was finished abandoned the request.
             if self.client_gone and not client.finished:
                 self.outcome = "client_aborted"
+            if departure is not None:
+                departure.on_leave(None)
             self.router.fleet.leave(self.request_id)
             self._report(error)
 
@@ -264,12 +273,16 @@ class Relay:
         left or the response is complete, whichever comes first; so it ends by itself."""
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._client_left(anyio.current_time())
+
+    def _client_left(self, now: float) -> None:
+        """The client left at ``now`` (the event loop's clock, as anyio's deadlines)."""
         if self.client.finished:
             return
         self.client_gone = True
         if self._handoff is not None:
             self._handoff.deadline = min(
-                self._handoff.deadline, anyio.current_time() + self.router.settings.handoff_grace
+                self._handoff.deadline, now + self.router.settings.handoff_grace
             )
         if self._scope is not None:
             self._scope.cancel()

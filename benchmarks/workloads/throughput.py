@@ -44,16 +44,19 @@ async def throughput(
     tokens: int,
     time_cap: float,
     tag: str,
+    ttfts: list[float] | None = None,
 ) -> tuple[int, int, Counter[str], float, bool]:
     """``requests`` streams from ``concurrency`` clients, round-robin over ``urls``.
 
     Returns (sent, chunks, outcomes, seconds, capped). No new request starts after
-    ``time_cap`` seconds; requests already in flight finish.
+    ``time_cap`` seconds; requests already in flight finish. ``ttfts``, if given, gets each
+    answered request's time to its first event with text, in seconds.
     """
     counter = itertools.count()
     outcomes: Counter[str] = Counter()
     chunks = 0
     capped = False
+    want_ttft = ttfts is not None
     async with new_session() as session:
         start = time.perf_counter()
         deadline = start + time_cap
@@ -69,8 +72,10 @@ async def throughput(
                     return
                 url = urls[i % len(urls)] + PATH
                 body = completion_body(f"{tag}-{i} {FILLER}", tokens)
-                result = await stream_completion(session, url, body)
+                result = await stream_completion(session, url, body, want_ttft=want_ttft)
                 chunks += result.chunks
+                if ttfts is not None and result.ok and result.ttft is not None:
+                    ttfts.append(result.ttft)
                 outcomes["ok" if result.ok else result.error] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))

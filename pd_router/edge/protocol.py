@@ -24,6 +24,15 @@ or by opening connections until ``accept`` fails for every other client too. Her
 
 Idle keep-alive connections are uvicorn's ``timeout_keep_alive`` (``IDLE_TIMEOUT``).
 
+A request's scope carries a ``Departure`` (``scope["extensions"][DEPARTURE]``): told
+synchronously when the client leaves before its response is complete, so the app needs no
+task reading ``receive()`` for the ``http.disconnect`` to learn it.
+
+A response's status line and headers go out in one write with its first body bytes
+(``HeadWithBody``): one syscall, and one TCP segment for the client to wake up for, fewer
+per request; a head with no body right behind it goes out when the event loop's current
+round ends.
+
 Every such answer is JSON (``errors.py``) with ``connection: close``; then the connection
 is half-closed and what the client still sends is read and dropped for up to ``LINGER``
 seconds: closing a socket with unread input makes the kernel send a reset, which can
@@ -34,8 +43,8 @@ already begun on the connection (a pipelined request); the connection is closed 
 from __future__ import annotations
 
 import resource
-from asyncio import TimerHandle, Transport
-from collections.abc import Iterator
+from asyncio import AbstractEventLoop, Handle, TimerHandle, Transport
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
@@ -86,6 +95,9 @@ CONTROL_CONNECTIONS = 16
 REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connections", "shutdown")
 
 Phase = Literal["idle", "head", "body", "closing"]
+
+# The scope extension under which a request's ``Departure`` is.
+DEPARTURE = "pd_router.departure"
 
 
 def default_max_connections() -> int:
@@ -158,6 +170,10 @@ class ClientProtocol(HttpToolsProtocol):
         self.stats.open -= 1
         self._unwatch()
         super().connection_lost(exc)
+        if self.cycle is not None and self.cycle.disconnected:
+            _departure(self.cycle.scope).left(self.loop.time())
+        for cycle, _ in self.pipeline:  # requests queued behind it, never to be answered
+            _departure(cycle.scope).left(self.loop.time())
 
     def data_received(self, data: bytes) -> None:
         while data and self._phase != "closing" and not self.transport.is_closing():
@@ -186,7 +202,13 @@ class ClientProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._phase = "body"
         self._watch(self.limits.body_timeout)
+        previous = self.cycle
+        # ASGI types an extension as a dict; this one is the router's, read by its relay.
+        self.scope["extensions"] = {DEPARTURE: Departure()}  # type: ignore[dict-item]
         super().on_headers_complete()
+        if self.cycle is not previous:  # not an upgrade: a request to answer
+            held = HeadWithBody(self.transport, self.loop)
+            self.cycle.transport = held  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
         self._got += len(body)
@@ -201,6 +223,7 @@ class ClientProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answer to bytes that are not HTTP is plain text; the router's
         # errors are all OpenAI-shaped JSON.
+        self._flush_head()
         self.transport.write(_answer(BadRequest(msg)))
         self.transport.close()
 
@@ -251,8 +274,14 @@ class ClientProtocol(HttpToolsProtocol):
             return not (self.cycle.response_started or self.pipeline)
         return self.cycle is None or self.cycle.response_complete
 
+    def _flush_head(self) -> None:
+        """Out with a head held for its body: what the protocol writes itself comes after."""
+        if self.cycle is not None and isinstance(self.cycle.transport, HeadWithBody):
+            self.cycle.transport.flush()
+
     def _close_with(self, reason: str, error: RouterError) -> None:
         self.stats.closed[reason] += 1
+        self._flush_head()
         if self._may_answer():
             self.transport.write(_answer(error))
         self._phase = "closing"
@@ -261,6 +290,7 @@ class ClientProtocol(HttpToolsProtocol):
             # The app's receive() says http.disconnect now, not after the linger.
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+            _departure(self.cycle.scope).left(self.loop.time())
         if self.transport.can_write_eof():
             self.transport.write_eof()
         # Over TLS there is no half-close: the answer is sent, what follows read and dropped,
@@ -268,6 +298,97 @@ class ClientProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         self._unwatch()
         self._timer = self.loop.call_later(LINGER, self.transport.close)
+
+
+class Departure:
+    """The client of one request left before its response was complete: the one callback
+    set with ``on_leave`` is called once with the event loop's time it left (``loop.time()``;
+    the callback runs outside any task, where anyio cannot tell the time), at once if it
+    already had."""
+
+    __slots__ = ("_callback", "at")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[float], None] | None = None
+        self.at: float | None = None  # when the client left
+
+    def on_leave(self, callback: Callable[[float], None] | None) -> None:
+        """``callback`` is told; None: nobody is any more (the request ended)."""
+        self._callback = callback
+        if self.at is not None and callback is not None:
+            self.left(self.at)
+
+    def left(self, at: float) -> None:
+        if self.at is None:
+            self.at = at
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback(self.at)
+
+
+def _departure(scope: Any) -> Departure:
+    departure: Departure = scope["extensions"][DEPARTURE]
+    return departure
+
+
+class HeadWithBody:
+    """The client transport as one response's cycle writes to it: the first write (the
+    status line and headers) is held until the next one, the first body bytes, and both go
+    out in one ``writelines``; or, if no body follows in this round of the event loop, alone
+    at its end. Everything else goes straight to the transport."""
+
+    __slots__ = ("_transport", "_loop", "_held", "_flush", "_first")
+
+    def __init__(self, transport: Transport, loop: AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._flush: Handle | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._flush = self._loop.call_soon(self.flush)
+            return
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+            return
+        self._drop_held()
+        self._transport.writelines((held, data))
+
+    def flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._drop_held()
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._drop_held()
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def _drop_held(self) -> None:
+        self._held = None
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
 
 
 def _control_only(app: ASGIApp, cap: int, stats: ClientStats) -> ASGIApp:
