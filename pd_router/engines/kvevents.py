@@ -29,6 +29,9 @@ from pd_router.fleet.nodes import KV_EVENTS, Node
 log = logging.getLogger("pd_router.kvevents")
 
 TICK = 0.05
+# With no node publishing, only the check for one that has started to: a router without
+# KV events pays no 50 ms tick (2 ms of CPU a second, measured).
+IDLE_TICK = 1.0
 # Messages a subscriber holds for the loop; beyond, the oldest go (a gap, then degraded).
 INBOX = 4096
 POLL_MS = 100
@@ -114,7 +117,7 @@ async def follow(nodes: list[Node], streams: EventStreams) -> None:
                         if stream is not None and stream.state != "degraded":
                             log.warning("KV events of node %d: %s", node_id, item)
                         streams.fault(node_id, kind, item)
-            await anyio.sleep(TICK)
+            await anyio.sleep(TICK if subscribers else IDLE_TICK)
     finally:
         for subscriber in subscribers.values():
             subscriber.stop()
