@@ -14,8 +14,13 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
   one script, which also says whether a slot reached it meanwhile: kept on a timeout (as
   the in-process pool does), given back on a cancellation.
 * ``release`` is synchronous, as in-process, so that it is safe in a cancelled ``finally``:
-  it queues the release, and a worker sends it, again and again while Redis is away (the
-  script is idempotent). Until then Redis counts the slot as used: never over the slots.
+  it queues the release, and the next acquisition carries it, in the same script, or else
+  a worker sends it, again and again while Redis is away (the script is idempotent). Until
+  then Redis counts the slot as used: never over the slots. The worker waits up to
+  ``HOLD`` seconds for an acquisition to carry it (one round trip per request instead of
+  two) while no acquisition runs, unless slots are short: a waiter of this router is
+  queued, or the last acquisition found its node's last slot or someone waiting, in any
+  queue.
 * A router holds a lease, renewed every third of ``lease`` seconds. One that stops
   renewing (killed, partitioned) has its slots and queue entries returned by the next
   router to renew, within ``lease`` seconds. A router that finds its registration gone
@@ -39,14 +44,13 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pd_router.errors import RouterError, StateUnavailable, Unavailable, fresh
 from pd_router.fleet.nodes import Node, usable
@@ -61,6 +65,9 @@ log = logging.getLogger("pd_router.shared_pool")
 LEASE = 10.0
 # Releases sent in one round trip at most (a script's arguments stay small).
 RELEASE_BATCH = 256
+# Seconds a release waits for an acquisition to carry it, while slots are not short: one
+# client's next request comes well within it.
+HOLD = 0.005
 
 _ACQUIRE = Script(scripts.ACQUIRE)
 _RELEASE = Script(scripts.RELEASE)
@@ -105,9 +112,13 @@ class SharedPool(DecodePool):
         # Run before each registration (a start, a lost lease, a Redis that lost its data):
         # the shared fleet adopts, or puts back, the nodes whose slots it writes.
         self.before_register: Callable[[], Awaitable[None]] | None = None
-        jobs: tuple[MemoryObjectSendStream[Job], MemoryObjectReceiveStream[Job]]
-        jobs = anyio.create_memory_object_stream(math.inf)
-        self._jobs, self._pending = jobs
+        # Releases not sent yet (reservation id, url), and a renewal asked for: the worker's.
+        self._releases: list[tuple[str, str]] = []
+        self._renew_asked = False
+        self._ready: anyio.Event | None = None  # set when there is work for the worker
+        self._carried: anyio.Event | None = None  # set when an acquisition took releases
+        # The last acquisition found a slot left on its node and nobody waiting.
+        self._room = False
 
     # ------------------------------------------------------------------ the pool's interface
 
@@ -159,7 +170,7 @@ class SharedPool(DecodePool):
             except BaseException:
                 node = waiter.node or await self._leave(resid, model)
                 if node is not None:
-                    self._send(("release", resid, node.url))
+                    self._send(resid, node.url)
                 raise
         finally:
             del self._waiting[resid]
@@ -167,14 +178,17 @@ class SharedPool(DecodePool):
         waited = anyio.current_time() - started
         if waiter.error is not None:
             if waiter.node is not None:
-                self._send(("release", resid, waiter.node.url))
+                self._send(resid, waiter.node.url)
             raise fresh(waiter.error)
         if waiter.node is None:
             raise self.waited_out(model, waited)
         return self._hold(resid, waiter.node, waited)
 
     def wake(self) -> None:
-        self._send(("renew", "", ""))
+        self._renew_asked = True
+        if self._ready is not None:
+            self._ready.set()
+        self._hurry()
 
     def fail_waiters(self, error: RouterError) -> None:
         for waiter in self._waiting.values():
@@ -195,7 +209,7 @@ class SharedPool(DecodePool):
         reservation.node.in_use -= 1
         if isinstance(reservation, SharedReservation):
             self._held.pop(reservation.id, None)
-            self._send(("release", reservation.id, reservation.node.url))
+            self._send(reservation.id, reservation.node.url)
 
     # ------------------------------------------------------------------ Redis
 
@@ -210,13 +224,20 @@ class SharedPool(DecodePool):
         ]
         args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
         args += self._takes(nodes)
+        carried = self._carry()
         started = anyio.current_time()
         number = int(resid)
         self._calling.add(number)
         # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
         try:
             with anyio.CancelScope(shield=True):
-                reply = await self._run(_ACQUIRE, args)
+                try:
+                    reply = await self._run(_ACQUIRE, [*args, *self._release_args(carried)])
+                finally:
+                    if carried:
+                        self._settling.release()
+                carried = []
+                args.append("0")  # no releases: those were sent
                 if reply[0] in (b"unknown", b"stale"):
                     # Redis lost this router's registration, or the slots of a node (lost,
                     # or dropped as bad): the renewal writes them back.
@@ -225,14 +246,19 @@ class SharedPool(DecodePool):
                 elif reply[-1]:
                     await self._renew()  # what Redis could not repair, before others read it
         except Unavailable:
+            if carried:  # they may not have been given back: the worker sends them again
+                self._releases[:0] = carried
             self.wake()  # the script may have run, or may still: settled by the renewal
             raise
         finally:
             self._calling.discard(number)
+        self._room = reply[0] == b"ok" and reply[2] == 1
+        if not self._room:
+            self._hurry()
         if reply[0] == b"ok":
             node = self._by_url(reply[1].decode())
             if node is None:  # removed here since
-                self._send(("release", resid, reply[1].decode()))
+                self._send(resid, reply[1].decode())
                 return "busy"
             return self._hold(resid, node, anyio.current_time() - started)
         return reply[0].decode()
@@ -252,7 +278,7 @@ class SharedPool(DecodePool):
             return None
         node = self._by_url(reply[1].decode())
         if node is None:
-            self._send(("release", resid, reply[1].decode()))
+            self._send(resid, reply[1].decode())
         return node
 
     def _hold(self, resid: str, node: Node, waited: float) -> SharedReservation:
@@ -270,7 +296,7 @@ class SharedPool(DecodePool):
             waiter.node = node
             waiter.event.set()
         elif resid not in self._held and (waiter is None or waiter.node is None):
-            self._send(("release", resid, url))
+            self._send(resid, url)
 
     def _by_url(self, url: str) -> Node | None:
         return next((node for node in self.nodes if node.url == url), None)
@@ -353,8 +379,49 @@ class SharedPool(DecodePool):
         lease = str(int(self.lease * 1000))
         return [self.router_id, lease, str(self._floor()), str(len(self.nodes)), *slots]
 
-    def _send(self, job: Job) -> None:
-        self._jobs.send_nowait(job)
+    def _send(self, resid: str, url: str) -> None:
+        """The reservation given back: by the next acquisition, or the worker."""
+        self._releases.append((resid, url))
+        if self._ready is not None:
+            self._ready.set()
+
+    def _carry(self) -> list[tuple[str, str]]:
+        """The releases waiting to be sent, taken for an acquisition to carry, holding the
+        settling lock (as the worker does); none if it is taken (a renewal runs)."""
+        if not self._releases:
+            return []
+        try:
+            self._settling.acquire_nowait()
+        except anyio.WouldBlock:
+            return []
+        carried = self._releases[:RELEASE_BATCH]
+        del self._releases[:RELEASE_BATCH]
+        self._hurry()
+        return carried
+
+    def _may_hold(self) -> bool:
+        """Releases may wait for the next acquisition: no acquisition is running (one that
+        runs holds the settling lock the next needs: under load, the worker sends at once),
+        no renewal is asked for, and slots are not short."""
+        return bool(
+            self._releases
+            and not self._renew_asked
+            and not self._calling
+            and self._room
+            and not self._queued
+        )
+
+    def _hurry(self) -> None:
+        """The worker stops waiting for an acquisition to carry the releases."""
+        if self._carried is not None:
+            self._carried.set()
+
+    def _release_args(self, releases: Sequence[tuple[str, str]]) -> list[str]:
+        """The RELEASE script's arguments after the router: the released slots' nodes as
+        they are now (whose waiters they take), and the reservation ids."""
+        urls = {url for _, url in releases}
+        nodes = [node for node in self.nodes if node.url in urls] if releases else []
+        return [*self._takes(nodes), *(resid for resid, _ in releases)]
 
     # ------------------------------------------------------------------ background work
 
@@ -396,30 +463,44 @@ class SharedPool(DecodePool):
     async def _work(self) -> None:
         """Send the releases (and renewals) queued since the last round trip, all at once:
         one at a time, releases fell behind acquisitions under load, and Redis counted
-        slots long given back (729 counted with 64 requests in flight)."""
-        async for job in self._pending:
-            batch = [job]
-            while len(batch) < RELEASE_BATCH:
-                try:
-                    batch.append(self._pending.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            releases = [(resid, url) for kind, resid, url in batch if kind == "release"]
-            urls = {url for _, url in releases}
-            renew = any(kind == "renew" for kind, _, _ in batch)
+        slots long given back (729 counted with 64 requests in flight). While slots are not
+        short, releases first wait ``HOLD`` seconds for an acquisition to carry them."""
+        releases: list[tuple[str, str]] = []
+        try:
             while True:
-                try:
-                    if releases:
-                        # The released slots' nodes as they are now: whose waiters they take.
-                        nodes = [node for node in self.nodes if node.url in urls]
-                        args = [self.router_id, *self._takes(nodes), *(r for r, _ in releases)]
+                if not self._releases and not self._renew_asked:
+                    self._ready = anyio.Event()
+                    await self._ready.wait()
+                if self._may_hold():
+                    self._carried = anyio.Event()
+                    with anyio.move_on_after(HOLD):
+                        await self._carried.wait()
+                    self._carried = None
+                releases = self._releases[:RELEASE_BATCH]
+                del self._releases[:RELEASE_BATCH]
+                renew, self._renew_asked = self._renew_asked, False
+                while True:
+                    try:
+                        if releases:
+                            args = [self.router_id, *self._release_args(releases)]
+                            async with self._settling:
+                                await self._run(_RELEASE, args)
+                            releases = []
+                        if renew:
+                            await self._renew()
+                        break
+                    except Unavailable:
+                        await anyio.sleep(RETRY)
+        finally:
+            releases += self._releases
+            if releases:
+                # Stopping: what a request gave back while its release waited is sent once,
+                # briefly, rather than held in Redis until this router's lease ends.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    args = [self.router_id, *self._release_args(releases)]
+                    with contextlib.suppress(Unavailable):
                         async with self._settling:
                             await self._run(_RELEASE, args)
-                    if renew:
-                        await self._renew()
-                    break
-                except Unavailable:
-                    await anyio.sleep(RETRY)
 
     def _takes(self, nodes: Sequence[Node]) -> list[str]:
         """Those of ``nodes`` that take waiters now and which each takes, for the scripts (a
@@ -476,9 +557,6 @@ class SharedPool(DecodePool):
                 "gave up on (their replies lost or late)",
                 settled,
             )
-
-
-Job = tuple[str, str, str]  # ("release", reservation id, url) | ("renew", "", "")
 
 
 def _key(model: str | None) -> str:

@@ -245,7 +245,24 @@ local function hand_over(url, spec)
     add_used(url, -1)
   end
 end
--- The freest of the given urls (ties in turn), or nil when none has a free slot.
+-- The router's reservations named in ARGV[from], ARGV[from + 1]... given back (an id no
+-- longer held: nothing), each slot to the oldest waiter its node takes (takes: a list of
+-- nodes), else back to its node; how many were held.
+local function release(router, takes, from)
+  local key = P .. 'res:' .. router
+  local released = 0
+  for i = from, #ARGV do
+    local url = redis.call('HGET', key, ARGV[i])
+    if url then
+      redis.call('HDEL', key, ARGV[i])
+      hand_over(url, takes[url])
+      released = released + 1
+    end
+  end
+  return released
+end
+-- The freest of the given urls (ties in turn) and its free slots, or nil when none has a
+-- free slot.
 local function pick(urls)
   local n = #urls
   if n == 0 then return nil end
@@ -257,7 +274,7 @@ local function pick(urls)
     local f = free(url)
     if f > most then best, most = url, f end
   end
-  return best
+  return best, most
 end
 -- The router's floor, raised to at least floor; its value before.
 local function raise_floor(router, floor)
@@ -300,23 +317,31 @@ end
 """
 
 # ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
-# the nodes the request may land on (a list of nodes: see the module docstring)
-# -> {"ok", url, bad} | {"queued", bad} | {"busy", bad} | {"unknown", bad} (the router must
-# register first) | {"stale", bad} (no slot free, and the slots of some node were not in
-# the store: the router must renew first) | {"late", bad} (an id below the router's floor:
-# a call it gave up on)
-# As in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
-# never overtakes a waiter); a burst queued on another model's nodes is no obstacle.
+# the nodes the request may land on (a list of nodes: see the module docstring), then the
+# router's releases sent along, as RELEASE takes them: the nodes that take new requests
+# (a list of nodes) and the reservation ids (mostly none: "0" and no id)
+# -> {"ok", url, room, bad} (room: 1 if the node has a slot left and nobody waits, in any
+# queue) | {"queued", bad} | {"busy", bad} | {"unknown", bad} (the router must register
+# first) | {"stale", bad} (no slot free, and the slots of some node were not in the store:
+# the router must renew first) | {"late", bad} (an id below the router's floor: a call it
+# gave up on)
+# The releases first: they came first. As in-process: the freest node is taken unless a
+# waiter it takes is queued (a newcomer never overtakes a waiter); a burst queued on
+# another model's nodes is no obstacle.
 ACQUIRE = _COMMON + """
 local router, resid, may_queue, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local urls, takes, at = read_nodes(5)
+local _, freed, from = read_nodes(at)
+release(router, freed, from)
 if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown', bad} end
 if (as_count(resid) or 0) < (count(P .. 'floor', router) or 0) then return {'late', bad} end
-local urls, takes = read_nodes(5)
-local url = pick(urls)
+local url, most = pick(urls)
 if url and first_for(takes[url]) == nil then
   redis.call('HSET', P .. 'res:' .. router, resid, url)
   add_used(url, 1)
-  return {'ok', url, bad}
+  local room = 0
+  if most > 1 and redis.call('SCARD', P .. 'queues') == 0 then room = 1 end
+  return {'ok', url, room, bad}
 end
 if lacking then return {'stale', bad} end
 if may_queue == '1' then
@@ -330,16 +355,7 @@ return {'busy', bad}
 # -> {how many were held (a release of an id no longer held does nothing), bad}
 RELEASE = _COMMON + """
 local _, takes, at = read_nodes(2)
-local released = 0
-for i = at, #ARGV do
-  local url = redis.call('HGET', P .. 'res:' .. ARGV[1], ARGV[i])
-  if url then
-    redis.call('HDEL', P .. 'res:' .. ARGV[1], ARGV[i])
-    hand_over(url, takes[url])
-    released = released + 1
-  end
-end
-return {released, bad}
+return {release(ARGV[1], takes, at), bad}
 """
 
 # ARGV: router, reservation id, its model

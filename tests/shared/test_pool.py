@@ -145,6 +145,19 @@ async def test_a_node_never_holds_more_than_its_slots_across_routers(
         await until_used(redis, 0)
 
 
+async def test_a_slot_given_back_is_there_for_the_routers_next_request_at_once(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """The router's next acquisition carries the releases not sent yet and gives them back
+    first: one client on a one-slot pool, each request sent as the last one ends, never
+    gets a 429 for the slot it just gave back (sent apart, the release could come second)."""
+    async with router(redis_server) as a:
+        for _ in range(20):
+            held = await a.acquire(0)
+            held.release()
+        await until_used(redis, 0)
+
+
 async def test_waiters_are_served_first_come_first_served_across_routers(
     redis_server: RedisServer, redis: Redis
 ) -> None:
