@@ -29,7 +29,9 @@ on that engine, while a wait delays this request only. So a conversation's later
 stays where its history is until the work waiting there exceeds twice what moving would
 recompute, and a hot document or preamble is computed on another node when load requires
 it. Load is bounded as ``prefix`` bounds it (a node with more of this router's prefills in
-flight than ``LOAD_FACTOR`` x the mean + 1 is passed over), and a share term levels the
+flight than ``LOAD_FACTOR`` x the mean + 1 is passed over; for a new session, on the nodes
+holding the most of its prompt only those behind its opening count, so that other prompts'
+prefills there do not compute a rarely asked document again elsewhere), and a share term levels the
 request counts: a node given more of the last few prefills than the mean plus a band
 costs the mean prompt's tokens more per prefill beyond it, one given fewer that less. A
 prompt that continues the one earlier prompt a node holds (a conversation's next turn,
