@@ -29,7 +29,9 @@ on that engine, while a wait delays this request only. So a conversation's later
 stays where its history is until the work waiting there exceeds twice what moving would
 recompute, and a hot document or preamble is computed on another node when load requires
 it. Load is bounded as ``prefix`` bounds it (a node with more of this router's prefills in
-flight than ``LOAD_FACTOR`` x the mean + 1 is passed over), and a share term levels the
+flight than ``LOAD_FACTOR`` x the mean + 1 is passed over; for a new session, on the nodes
+holding the most of its prompt only those behind its opening count, so that other prompts'
+prefills there do not compute a rarely asked document again elsewhere), and a share term levels the
 request counts: a node given more of the last few prefills than the mean plus a band
 costs the mean prompt's tokens more per prefill beyond it, one given fewer that less. A
 prompt that continues the one earlier prompt a node holds (a conversation's next turn,
@@ -177,7 +179,7 @@ class RecentPrefixes:
 class Placement:
     """A prefill sent to ``node``: what was predicted of it, until ``PrefillPolicy.release``."""
 
-    __slots__ = ("node", "hit", "cached", "work", "source")
+    __slots__ = ("node", "hit", "cached", "work", "source", "opening")
 
     def __init__(
         self,
@@ -186,6 +188,7 @@ class Placement:
         cached: int | None = None,
         work: int = 0,
         source: str = "prediction",
+        opening: int | None = None,
     ) -> None:
         self.node = node
         # The prefix policy: this router last sent the prefix key here. The cost policy:
@@ -197,6 +200,8 @@ class Placement:
         self.work = work
         # What ``cached`` came from: "events" (the node's KV events) or "prediction".
         self.source = source
+        # The prompt's first chunk key (the cost policy only): what it was placed behind.
+        self.opening = opening
 
 
 class PrefillPolicy:
@@ -309,6 +314,8 @@ class Cost(Prefix):
         # and how many there are.
         self.waiting: dict[int, int] = {}
         self._inflight: dict[int, int] = {}
+        # Of those, how many by (node id, the prompt's first chunk key).
+        self._behind: dict[tuple[int, int], int] = {}
         # The last ``RECENT_PER_NODE`` x nodes placements (node id, prompt chunks), how
         # many each node was given, and their chunks in all: chunks, not tokens, so that
         # those placed before the engines' counts calibrated the router's estimate weigh
@@ -325,20 +332,21 @@ class Cost(Prefix):
 
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
-        # Bounded loads on this router's prefills in flight, as ``prefix`` bounds them:
-        # a burst of new conversations behind one shared opening does not all queue on
-        # the node that holds it (each adds only its own few tokens of work there).
-        inflight = self._inflight
-        limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
-        live = [node for node in live if inflight.get(node.id, 0) <= limit]
         if view.live:
             view.match(prompt)  # before any cost: it may count the prompt's tokens better
         helds = [view.of(node.id).held(chunks) for node in live]
         weight = SHARE_WEIGHT * self._chunks / max(len(self._recent), 1) * prompt.chunk_tokens
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
-        band = SHARE_SLACK * mean + SHARE_BAND
+        inflight = self._inflight
+        limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
         if any(self._continues(node.id, held, chunks) for node, held in zip(live, helds)):
             band = CONT_SLACK * mean + CONT_BAND
+            # Bounded loads on this router's prefills in flight, as ``prefix`` bounds them.
+            keep = [i for i, node in enumerate(live) if inflight.get(node.id, 0) <= limit]
+        else:
+            band = SHARE_SLACK * mean + SHARE_BAND
+            keep = self._bounded(live, helds, chunks[0] if chunks else 0, limit)
+        live, helds = [live[i] for i in keep], [helds[i] for i in keep]
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
@@ -366,6 +374,27 @@ class Cost(Prefix):
         salts = self._salts
         return max(best, key=lambda node: _mix(key ^ salts[node.url]))
 
+    def _bounded(self, live: list[Node], helds: list[int], first: int, limit: float) -> list[int]:
+        """The nodes within the in-flight bound for a new session. On the nodes holding
+        the most of its prompt, only the prefills in flight behind the same opening (its
+        first chunk) count: the bound spreads a burst behind one prefix, but prefills of
+        other prompts there do not move the session off the node that holds its prefix
+        (their work is in the cost already) to compute it again elsewhere: a document
+        is replicated when its questions are a burst or its holders are over their
+        share (the share term), and a rarely asked one stays where it is."""
+        inflight, behind = self._inflight, self._behind
+        depth = max(helds)
+        return [
+            i
+            for i, node in enumerate(live)
+            if (
+                behind.get((node.id, first), 0)
+                if depth and helds[i] == depth
+                else inflight.get(node.id, 0)
+            )
+            <= limit
+        ]
+
     def _continues(self, node_id: int, held: int, chunks: list[int]) -> bool:
         """Whether the prompt continues one earlier prompt the node holds: what it holds
         of it ends where that prompt ended (and only that one), and the prompt goes on."""
@@ -378,11 +407,15 @@ class Cost(Prefix):
         work = max(prompt.tokens - cached, 0)
         self.waiting[node.id] = self.waiting.get(node.id, 0) + work
         self._inflight[node.id] = self._inflight.get(node.id, 0) + 1
+        opening = prompt.chunks[0] if prompt.chunks else None
+        if opening is not None:
+            self._behind[node.id, opening] = self._behind.get((node.id, opening), 0) + 1
         self._count(node.id, held, prompt.chunks)
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
-        return Placement(node, cached > 0, cached, work, self.view.source(node.id, prompt))
+        source = self.view.source(node.id, prompt)
+        return Placement(node, cached > 0, cached, work, source, opening)
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
@@ -415,11 +448,17 @@ class Cost(Prefix):
             self.waiting[node_id] = left
         else:
             self.waiting.pop(node_id, None)
-        inflight = self._inflight.get(node_id, 0) - 1
-        if inflight > 0:
-            self._inflight[node_id] = inflight
-        else:
-            self._inflight.pop(node_id, None)
+        _decrement(self._inflight, node_id)
+        if placement.opening is not None:
+            _decrement(self._behind, (node_id, placement.opening))
+
+
+def _decrement(counts: dict[Any, int], key: Any) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _beyond(excess: float, band: float) -> float:

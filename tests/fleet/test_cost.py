@@ -121,3 +121,56 @@ def test_a_later_turn_is_not_moved_by_counts_a_new_conversation_avoids() -> None
         policy.heard(home, describe(completion(200 + index, 0)))
     assert policy.pick(0, prompt=describe(completion(2, 0))) is not home
     assert policy.pick(0, prompt=describe(completion(1, 1))) is home
+
+
+def document(number: int) -> str:
+    return f"Document {number}, to answer questions from. " * 100
+
+
+def question(doc: int, number: int) -> dict[str, object]:
+    """A RAG request: a long document, then a question of its own."""
+    messages = [
+        {"role": "system", "content": document(doc)},
+        {"role": "user", "content": f"Question {number} about document {doc}? " * 3},
+    ]
+    return {"model": "m", "messages": messages}
+
+
+def rag_fleet() -> tuple[Cost, list[Node]]:
+    """Four nodes, each given three questions on documents of its own (document 0 on node
+    0, 1 on node 1, ...), all answered: every node holds its document, none is over its
+    share."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    for node in nodes:
+        for number in range(3):
+            policy.release(policy.place(node, 0, describe(question(node.id, number))))
+    return policy, nodes
+
+
+def test_a_question_waits_behind_other_documents_rather_than_computing_its_own_again() -> None:
+    """Node 0 holds document 0 and is within its share, but is computing two prefills
+    of another document: the next question on document 0 waits there (the work waiting
+    is in the cost, and less than computing the document again), rather than computing
+    the whole document on an idle node. Before, the in-flight bound (2 in flight > 1.25 x
+    the mean + 1) sent it elsewhere: in the RAG shape a rarely asked document was
+    computed on a second and a third node this way (share of the ceiling 91.7%)."""
+    policy, nodes = rag_fleet()
+    home = nodes[0]
+    # Node 0 now computes document 5 (a new one) and a question behind it, and each
+    # other node was given one more prefill, so the shares stay level.
+    busy = [policy.place(home, 0, describe(question(5, number))) for number in range(2)]
+    for node in nodes[1:]:
+        policy.release(policy.place(node, 0, describe(question(node.id, 9))))
+    limit = LOAD_FACTOR * len(busy) / len(nodes) + 1
+    assert len(busy) > limit
+    ask = describe(question(0, 7))
+    # What waits on node 0 costs less than computing document 0 elsewhere.
+    assert policy.waiting[home.id] < MISS_WEIGHT * (ask.tokens - ask.cached(0))
+    assert policy.pick(0, prompt=ask) is home
+    # A question on document 5 is a burst behind what node 0 computes: it is bounded.
+    assert policy.pick(0, prompt=describe(question(5, 9))) is not home
+    # Once those end, node 0 takes document 5's questions again.
+    for placement in busy:
+        policy.release(placement)
+    assert policy.pick(0, prompt=describe(question(5, 9))) is home
