@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from pd_router.fleet.kvindex import BlockIndex, Links, Match, cached_tokens
+from pd_router.fleet.kvindex import BlockIndex, Links, Match, cached_tokens, leading_held
 
 CHUNK_BYTES = 256
 BYTES_PER_TOKEN = 4
@@ -146,15 +146,7 @@ class Holdings:
     def held(self, chunks: Sequence[int]) -> int:
         """How many leading chunks of a prompt this engine holds (what is held is
         prefix-closed, see the module docstring)."""
-        keys = self._keys
-        low, high = 0, len(chunks)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if chunks[middle - 1] in keys:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return leading_held(chunks, len(chunks), self._keys)
 
     def insert(self, chunks: Sequence[int]) -> None:
         """The engine computed (or read) the prompt: its chunks are the most recent now,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
 
 # Block keys all links hold together (8 bytes each): 8 MB, what ~8,000 conversations of
@@ -51,6 +51,19 @@ def cached_tokens(blocks_held: int, block_size: int, tokens: int) -> int:
     """Prompt tokens an engine serves from cache when it holds ``blocks_held`` leading blocks:
     vLLM computes at least the last prompt token itself."""
     return min(blocks_held, max(tokens - 1, 0) // block_size) * block_size
+
+
+def leading_held(keys: Sequence[int], count: int, held: Container[int]) -> int:
+    """How many of the first ``count`` of ``keys`` are in ``held``, which holds a prefix of
+    every sequence it holds part of: a binary search, O(log count) lookups."""
+    low, high = 0, count
+    while low < high:
+        middle = (low + high + 1) // 2
+        if keys[middle - 1] in held:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class BlockIndex:
@@ -127,15 +140,7 @@ class BlockIndex:
 
     def held(self, keys: Sequence[int], count: int) -> int:
         """How many of the first ``count`` blocks of ``keys`` the engine holds."""
-        held = self._held
-        low, high = 0, count
-        while low < high:
-            middle = (low + high + 1) // 2
-            if keys[middle - 1] in held:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return leading_held(keys, count, self._held)
 
 
 @dataclass(slots=True)
