@@ -146,7 +146,33 @@ def parse_url(url: str) -> Settings:
     )
 
 
-class _Connection:
+class _Replies:
+    """What both pooled connections share: a request is a send, then the parser's next
+    whole reply, read as ``_more`` brings bytes."""
+
+    __slots__ = ()
+    parser: resp.Parser
+
+    async def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def _more(self) -> None:
+        raise NotImplementedError
+
+    async def request(self, command: bytes) -> resp.Reply:
+        await self.send(command)
+        return await self.reply()
+
+    async def reply(self) -> resp.Reply:
+        parser = self.parser
+        while True:
+            reply = parser.next_reply()
+            if reply is not resp.NEED_DATA:
+                return reply
+            await self._more()
+
+
+class _Connection(_Replies):
     __slots__ = ("stream", "parser", "_poll", "_tls")
 
     def __init__(self, stream: ByteStream, tls: bool) -> None:
@@ -159,17 +185,8 @@ class _Connection:
     async def send(self, data: bytes) -> None:
         await self.stream.send(data)
 
-    async def request(self, command: bytes) -> resp.Reply:
-        await self.stream.send(command)
-        return await self.reply()
-
-    async def reply(self) -> resp.Reply:
-        parser = self.parser
-        while True:
-            reply = parser.next_reply()
-            if reply is not resp.NEED_DATA:
-                return reply
-            parser.feed(await self.stream.receive())
+    async def _more(self) -> None:
+        self.parser.feed(await self.stream.receive())
 
     def stale(self) -> bool:
         """The server closed this idle connection, or sent it bytes nobody asked for."""
@@ -182,7 +199,7 @@ class _Connection:
             await anyio.aclose_forcefully(self.stream)
 
 
-class _LoopConnection(asyncio.Protocol):
+class _LoopConnection(_Replies, asyncio.Protocol):
     """A pooled connection on asyncio, as ``_Connection`` is on anyio's streams: the same
     methods, the same errors (``_IO_ERRORS``)."""
 
@@ -223,23 +240,14 @@ class _LoopConnection(asyncio.Protocol):
             raise self._lost()
         self._transport.write(data)
 
-    async def request(self, command: bytes) -> resp.Reply:
-        await self.send(command)
-        return await self.reply()
-
-    async def reply(self) -> resp.Reply:
-        parser = self.parser
-        while True:
-            reply = parser.next_reply()
-            if reply is not resp.NEED_DATA:
-                return reply
-            if self._closed:
-                raise self._lost()
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    async def _more(self) -> None:
+        if self._closed:
+            raise self._lost()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def _lost(self) -> OSError | anyio.EndOfStream:
         return self._error or anyio.EndOfStream()
