@@ -360,14 +360,20 @@ class Bench:
             # Odd rounds in one order, even rounds in the reverse one.
             order = self.modes if round_ % 2 else self.modes[::-1]
             for mode in order:
-                run = await self._throughput(
-                    mode, round_, config.requests, ttfts=self.a_ttfts[mode]
-                )
+                ttfts = self.a_ttfts[mode]
+                before = len(ttfts)
+                run = await self._throughput(mode, round_, config.requests, ttfts=ttfts)
                 self.runs.append(run)
+                # The pass's own TTFT and the machine's other load during it: the p99 the
+                # targets compare pools every round, and a pass that shared the machine
+                # with other work weighs in it as much as a quiet one.
+                ms = [seconds * 1000.0 for seconds in ttfts[before:]] or [float("nan")]
                 log(
                     f"  A round {round_} {MODE_LABELS[mode]:<17} {run.ok:>6} ok"
                     f"  {run.requests_per_s:8.1f} req/s  {run.chunks_per_s:10.0f} chunks/s"
-                    f"  {run.seconds:6.2f} s  errors={run.errors or 0}"
+                    f"  {run.seconds:6.2f} s  TTFT p50/p99 {percentile(ms, 50):.0f}"
+                    f"/{percentile(ms, 99):.0f} ms  other {run.other_busy_pct:.0f}%"
+                    f"  errors={run.errors or 0}"
                     f"{'  (time cap hit)' if run.capped else ''}"
                 )
         if config.profile:

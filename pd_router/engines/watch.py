@@ -106,9 +106,10 @@ async def watch_models(fleet: Fleet, upstream: Upstream, tick: float = 1.0) -> N
         now = anyio.current_time()
         nodes = fleet.nodes
         due = {node: due.get(node, now) for node in nodes}  # removed nodes forgotten
-        async with anyio.create_task_group() as tg:
-            for node in nodes:
-                if due[node] <= now:
+        reading = [node for node in nodes if due[node] <= now]
+        if reading:  # most ticks read nothing: no task group for them
+            async with anyio.create_task_group() as tg:
+                for node in reading:
                     due[node] = now + models.RETRY  # unless the read succeeds
                     tg.start_soon(learn, node)
         await anyio.sleep(tick)
