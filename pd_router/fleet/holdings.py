@@ -254,6 +254,12 @@ class KvView:
             return
         if not isinstance(ids, list) or len(ids) < index.block_size:
             return
+        try:
+            # Checked in C (the list itself is keyed: its ints exist already): anything but
+            # 64-bit integers is the engine's lie, not tokens.
+            array("q", ids)
+        except (TypeError, OverflowError):
+            return
         chunked = len(prompt.chunks) * CHUNK_BYTES
         self.links.learn(prompt.chunks[-1], chunked, prompt.data, ids, index.block_size)
 

@@ -273,3 +273,17 @@ def test_without_a_live_stream_the_prediction_stands() -> None:
     text += " " + words("t0x", 50)
     picked, predicted, source, _ = fleet.serve(text)
     assert (picked, source) == (node, "prediction") and predicted > 0
+
+
+def test_token_ids_an_engine_lies_about_teach_nothing_and_raise_nothing() -> None:
+    """A prefill answer's ``prompt_token_ids`` that are not token ids (lists, strings, ids
+    beyond 64 bits) are the engine's lie: the request goes on, nothing is linked, and the
+    next turn is predicted as if the engine had not answered them."""
+    fleet = Fleet()
+    fleet.serve(words("w", 400), on=0)  # the engine's block size is known from here on
+    node = fleet.nodes[0]
+    text = words("s", 400)
+    for lie in ([[1]] * 400, ["x"] * 400, [1 << 80] * 400):
+        prompt = describe({"model": "m", "prompt": text})
+        fleet.view.learn(node.id, prompt, lie)
+        assert fleet.view.links.match(prompt.chunks, prompt.data) is None
