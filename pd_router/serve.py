@@ -82,39 +82,27 @@ def _timeout(text: str) -> float:
     return value
 
 
-@config.reads_number
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
+def _whole(low: int, high: int | None, rule: str) -> Callable[[str], int]:
+    """A flag's type function for a whole number from ``low`` to ``high`` (None: any)."""
+
+    @config.reads_number
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+        return value
+
+    return convert
 
 
-@config.reads_number
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return value
-
-
-@config.reads_number
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= workers.MAX_WORKERS:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number >= 1 and <= {workers.MAX_WORKERS}, got {text!r}"
-        )
-    return value
+_positive = _whole(1, None, "a whole number >= 1")
+_count = _whole(0, None, "a whole number >= 0")
+_workers = _whole(1, workers.MAX_WORKERS, f"a whole number >= 1 and <= {workers.MAX_WORKERS}")
+# Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
+_port = _whole(0, 65535, "a whole number from 0 to 65535 (0: any free port)")
 
 
 def _dns_server(text: str) -> tuple[str, int]:
@@ -144,20 +132,6 @@ def _traces_url(text: str) -> str:
         return tracing.traces_url(text)
     except tracing.TracingError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-@config.reads_number
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number from 0 to 65535 (0: any free port), got {text!r}"
-        )
-    return value
 
 
 # (flag, type, default, metavar, help): one table, so every option reads the same way.
