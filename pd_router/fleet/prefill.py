@@ -361,7 +361,7 @@ class Cost(Prefix):
                 deepest = max(deepest, held)
         if len(best) > 1:
             # Ties (nothing known, or an opening every node holds, none busy): the node
-            # given the fewest recent new sessions, which levels them.
+            # given the fewest recent prefills, which levels them.
             fewest = min(counts.get(node.id, 0) for node in best)
             best = [node for node in best if counts.get(node.id, 0) == fewest]
         if len(best) == 1:
@@ -410,7 +410,7 @@ class Cost(Prefix):
         opening = prompt.chunks[0] if prompt.chunks else None
         if opening is not None:
             self._behind[node.id, opening] = self._behind.get((node.id, opening), 0) + 1
-        self._count(node.id, held, prompt.chunks)
+        self._count(node.id, prompt.chunks)
         # Held from now on: a request sharing this prefix that comes before this prefill
         # ends finds it cached, as vLLM computes the shared blocks once.
         self.view.placed(node.id, node.role, node.url, prompt)
@@ -419,13 +419,12 @@ class Cost(Prefix):
 
     def heard(self, node: Node, prompt: Prompt) -> None:
         """Another router sharing ``--state`` placed ``prompt`` on ``node``."""
-        holdings = self.view.of(node.id)
-        self._count(node.id, holdings.held(prompt.chunks), prompt.chunks)
-        holdings.insert(prompt.chunks)
+        self._count(node.id, prompt.chunks)
+        self.view.of(node.id).insert(prompt.chunks)
 
-    def _count(self, node_id: int, held: int, chunks: list[int]) -> None:
-        """A prompt placed on the node, of which it held ``held`` chunks: a new session
-        (not a continuation) counts towards the node's share."""
+    def _count(self, node_id: int, chunks: list[int]) -> None:
+        """A prompt placed on the node: it counts towards the node's share (every prefill,
+        a conversation's next turn too), and its end is remembered (``_continues``)."""
         if not chunks:
             return
         ends, end = self._ends, (node_id, chunks[-1])
