@@ -146,7 +146,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--read-timeout", _timeout, 600.0, "SECONDS",
      "give up on an engine that sends nothing for this long"),
     ("--engine-cache-tokens", _positive, DEFAULT_CACHE_TOKENS, "N",
-     "tokens of KV each engine's prefix cache is taken to hold (--prefill-policy cost): "
+     "tokens of KV each engine's prefix cache is taken to hold (--prefill-policy cost, "
+     "--max-local-prefill): "
      "the router forgets, least recently used first, what an engine would have evicted"),
     ("--max-local-prefill", _count, 0, "N",
      "send a request whose prompt has at most N tokens not predicted cached on its decode "
@@ -245,8 +246,11 @@ def add_router_flags(
         action="extend",
         nargs="+",
         required=engines,
-        metavar="URL",
-        help=engine_help("prefill engine base URL (repeat or list several)"),
+        metavar="URL[,kv_events=PORT]",
+        help=engine_help(
+            "prefill engine base URL (repeat or list several); kv_events=PORT: it publishes "
+            "vLLM's KV events on that port of its host"
+        ),
     )
     add(
         "--decode",
@@ -260,10 +264,11 @@ def add_router_flags(
         "--prefill-dns",
         action="extend",
         nargs="+",
-        metavar="NAME:PORT",
+        metavar="NAME:PORT[,kv_events=PORT]",
         help=engine_help(
             "discover prefill engines as the addresses NAME resolves to (A, AAAA; SRV records "
-            "when NAME starts with _, without :PORT), beside or instead of --prefill"
+            "when NAME starts with _, without :PORT), beside or instead of --prefill; "
+            "kv_events=PORT as for --prefill"
         ),
     )
     add(
