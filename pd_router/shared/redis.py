@@ -257,6 +257,10 @@ class _LoopConnection(_Replies, asyncio.Protocol):
         by the loop already, or still waiting in the socket (the loop did not run since)."""
         if self._closed or self.parser.pending:
             return True
+        # Closing, its connection_lost not run yet (uvloop with TLS closes the socket first:
+        # a poll of it then says nothing).
+        if self._transport is None or self._transport.is_closing():
+            return True
         return self._poll is not None and _gone(self._poll, self._tls)
 
     async def close(self) -> None:
