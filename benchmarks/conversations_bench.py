@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.processes import raise_on_sigterm  # noqa: E402
+from benchmarks.processes import raise_on_sigterm, running  # noqa: E402
 from benchmarks.workloads.cache_fleet import BLOCK, ROUTER_ARGS, prefill_args  # noqa: E402
 from benchmarks.workloads.conversations import Workload, converse  # noqa: E402
 from benchmarks.workloads.requests import MODEL  # noqa: E402
@@ -182,12 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         second = router(urls, "prefix")
         unbounded = router([single.url], "round_robin")
         processes = [*engines, *routers.values(), second, unbounded]
-        # Started together so that their imports overlap; each is stopped by its PID.
-        for process in processes:
-            stack.callback(process.stop)
-            process.start()
-        for process in processes:
-            process.wait_healthy(60)
+        stack.enter_context(running(processes))
         print(
             f"{workload.conversations} conversations x {workload.turns} turns, system prompt "
             f"{workload.system_words} words, {workload.user_words} per user turn, "

@@ -46,6 +46,7 @@ from benchmarks.processes import (  # noqa: E402
     find_vllm_router,
     install_vllm_router,
     raise_on_sigterm,
+    running,
 )
 from benchmarks.workloads.cache_fleet import BLOCK, ROUTER_ARGS, prefill_args  # noqa: E402
 from benchmarks.workloads.shapes import SHAPES, Run, Shape, play  # noqa: E402
@@ -259,11 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         setups[CEILING] = ("1 node, unbounded cache", [ceiling], [single])
         processes: list[ServerProcess] = [*prefill, single, *decode]
         processes += [process for _, routers, _ in setups.values() for process in routers]
-        for process in processes:
-            stack.callback(process.stop)
-            process.start()
-        for process in processes:
-            process.wait_healthy(60)
+        stack.enter_context(running(processes))
         print(
             f"4 prefill engines, {args.cache_blocks} blocks of {BLOCK} tokens of cache each, "
             f"{args.per_token * 1e6:.0f} us per uncached token, one prefill at a time; "
