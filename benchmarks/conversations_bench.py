@@ -39,14 +39,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.processes import raise_on_sigterm  # noqa: E402
-from benchmarks.workloads.conversations import Run, Workload, converse  # noqa: E402
+from benchmarks.processes import raise_on_sigterm, running  # noqa: E402
+from benchmarks.workloads.cache_fleet import BLOCK, ROUTER_ARGS, prefill_args  # noqa: E402
+from benchmarks.workloads.conversations import Workload, converse  # noqa: E402
 from benchmarks.workloads.requests import MODEL  # noqa: E402
+from benchmarks.workloads.shapes import Run  # noqa: E402
 from pd_router.fleet.nodes import make_nodes  # noqa: E402
 from pd_router.fleet.prefill import POLICIES, prefix_key  # noqa: E402
 from pd_router.sim.fleet import EngineProcess, RouterProcess  # noqa: E402
-
-BLOCK = 16
 
 
 def measure(
@@ -159,18 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     workload = Workload(
         args.conversations, args.turns, system_words=200, user_words=60, answer_tokens=60
     )
-    engine_args = [
-        "--block-size",
-        str(BLOCK),
-        "--prefill-per-token",
-        str(args.per_token),
-        "--prefill-concurrency",
-        "1",
-    ]
-    bounded = [*engine_args, "--prefix-cache-blocks", str(args.cache_blocks)]
-    # Enough decode slots that nothing queues: the prefill side is what is measured.
+    engine_args, bounded = prefill_args(args.per_token, args.cache_blocks)
     decode_args = ["--slots", "512", "--ttft", "0", "--itl", "0"]
-    router_args = ["--decode-slots", "256", "--queue-timeout", "60", "--log-level", "warning"]
     with ExitStack() as stack:
         # SIGTERM unwinds like Ctrl-C does, through this stack that stops every process.
         stack.callback(raise_on_sigterm())
@@ -183,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def router(prefill_urls: list[str], policy: str) -> RouterProcess:
             process = RouterProcess(prefill_urls, decode_urls, "--prefill-policy", policy)
-            process.extra_args += router_args
+            process.extra_args += ROUTER_ARGS
             return process
 
         routers = {
@@ -192,12 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         second = router(urls, "prefix")
         unbounded = router([single.url], "round_robin")
         processes = [*engines, *routers.values(), second, unbounded]
-        # Started together so that their imports overlap; each is stopped by its PID.
-        for process in processes:
-            stack.callback(process.stop)
-            process.start()
-        for process in processes:
-            process.wait_healthy(60)
+        stack.enter_context(running(processes))
         print(
             f"{workload.conversations} conversations x {workload.turns} turns, system prompt "
             f"{workload.system_words} words, {workload.user_words} per user turn, "

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from benchmarks.report import log
-from pd_router.sim.fleet import RouterProcess, ServerProcess, free_port
+from pd_router.sim.fleet import ServerProcess, free_port
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -92,19 +92,19 @@ def checkouts(revisions: Sequence[str], into: Path) -> Iterator[list[Path]]:
 
 
 @contextlib.contextmanager
-def running(routers: Iterable[RouterProcess]) -> Iterator[None]:
-    """All the routers started, then each healthy (they start in parallel); stopped on the
-    way out."""
-    started = list(routers)
+def running(processes: Iterable[ServerProcess], timeout: float = 60.0) -> Iterator[None]:
+    """All the processes started, then each healthy within ``timeout`` seconds (they start
+    in parallel, their imports overlapping); each stopped by its PID on the way out."""
+    started = list(processes)
     try:
-        for router in started:
-            router.start()
-        for router in started:
-            router.wait_healthy()
+        for process in started:
+            process.start()
+        for process in started:
+            process.wait_healthy(timeout)
         yield
     finally:
-        for router in started:
-            router.stop()
+        for process in started:
+            process.stop()
 
 
 def cpu_ms(pid: int) -> float:

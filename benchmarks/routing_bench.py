@@ -46,12 +46,12 @@ from benchmarks.processes import (  # noqa: E402
     find_vllm_router,
     install_vllm_router,
     raise_on_sigterm,
+    running,
 )
+from benchmarks.workloads.cache_fleet import BLOCK, ROUTER_ARGS, prefill_args  # noqa: E402
 from benchmarks.workloads.shapes import SHAPES, Run, Shape, play  # noqa: E402
 from pd_router.sim.fleet import EngineProcess, RouterProcess, ServerProcess  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-
-BLOCK = 16
 
 
 def measure(
@@ -205,22 +205,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             print("vllm-router not found: its rows are skipped (--install-vllm-router)")
     if executable is None:
         configs.discard(CACHE_AWARE)
-    engine_args = [
-        "--block-size",
-        str(BLOCK),
-        "--prefill-per-token",
-        str(args.per_token),
-        "--prefill-concurrency",
-        "1",
-    ]
-    bounded = [*engine_args, "--prefix-cache-blocks", str(args.cache_blocks)]
+    engine_args, bounded = prefill_args(args.per_token, args.cache_blocks)
     # --standalone: a request without kv_transfer_params is computed there (a local
     # prefill), at the prefill engines' speed, with a prefix cache of its own.
     decode_args = [
         *("--block-size", str(BLOCK), "--prefill-per-token", str(args.per_token)),
         *("--standalone", "--slots", "512", "--ttft", "0", "--itl", "0"),
     ]
-    router_args = ["--decode-slots", "256", "--queue-timeout", "60", "--log-level", "warning"]
     document: dict[str, Any] = {
         "cache_blocks": args.cache_blocks,
         "rounds": args.rounds,
@@ -236,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def router(prefill_urls: list[str], *extra: str) -> RouterProcess:
             process = RouterProcess(prefill_urls, decode_urls, *extra)
-            process.extra_args += router_args
+            process.extra_args += ROUTER_ARGS
             return process
 
         cache_tokens = str(args.cache_blocks * BLOCK)
@@ -269,11 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         setups[CEILING] = ("1 node, unbounded cache", [ceiling], [single])
         processes: list[ServerProcess] = [*prefill, single, *decode]
         processes += [process for _, routers, _ in setups.values() for process in routers]
-        for process in processes:
-            stack.callback(process.stop)
-            process.start()
-        for process in processes:
-            process.wait_healthy(60)
+        stack.enter_context(running(processes))
         print(
             f"4 prefill engines, {args.cache_blocks} blocks of {BLOCK} tokens of cache each, "
             f"{args.per_token * 1e6:.0f} us per uncached token, one prefill at a time; "

@@ -10,17 +10,15 @@ the answers' usage, TTFTs and errors.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import aiohttp
 
-from benchmarks.report import percentile
 from benchmarks.workloads.requests import MODEL
+from benchmarks.workloads.shapes import Run, stream
 
 
 @dataclass
@@ -44,25 +42,6 @@ class Workload:
         return " ".join(f"u{rng.randrange(10**6)}" for _ in range(self.user_words))
 
 
-@dataclass
-class Run:
-    name: str
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    errors: int = 0
-    prefills: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def cached_share(self) -> float:
-        return self.cached_tokens / max(self.prompt_tokens, 1)
-
-    def ttft(self, q: float) -> float:
-        """TTFT percentile ``q`` (0-100), seconds; NaN if no turn succeeded."""
-        return percentile(self.ttfts, q) if self.ttfts else float("nan")
-
-
 async def turn(
     session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], run: Run, answer: int
 ) -> str | None:
@@ -74,33 +53,16 @@ async def turn(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started = time.perf_counter()
-    first: float | None = None
-    text: list[str] = []
-    usage: dict[str, Any] | None = None
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            run.errors += 1
-            await response.read()
-            return None
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", ()):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text.append(content)
-    if first is None or usage is None:
+    got = await stream(session, url + "/v1/chat/completions", body, run)
+    if got is None:
+        return None
+    if got.usage is None:
         run.errors += 1
         return None
-    run.ttfts.append(first - started)
-    run.prompt_tokens += usage["prompt_tokens"]
-    run.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
-    return "".join(text)
+    run.ttfts.append(got.ttft)
+    run.prompt_tokens += got.usage["prompt_tokens"]
+    run.cached_tokens += got.usage["prompt_tokens_details"]["cached_tokens"]
+    return got.text
 
 
 async def converse(routers: Sequence[str], workload: Workload, run: Run) -> None:

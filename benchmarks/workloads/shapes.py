@@ -175,7 +175,7 @@ class Run:
     ttfts: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
-    # Filled in by the caller from the prefill engines' counters.
+    # Filled in by the caller: from the engines' counters, or the answers' usage.
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefills: list[int] = field(default_factory=list)
@@ -185,16 +185,26 @@ class Run:
         return self.cached_tokens / max(self.prompt_tokens, 1)
 
     def ttft(self, q: float) -> float:
+        """TTFT percentile ``q`` (0-100), seconds; NaN if no request succeeded."""
         return percentile(self.ttfts, q) if self.ttfts else float("nan")
 
 
-async def _request(
+@dataclass
+class Answer:
+    text: str
+    ttft: float
+    usage: dict[str, Any] | None  # the last event's, where the request asked for it
+
+
+async def stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], run: Run
-) -> str | None:
-    """One streamed request; the answer's text, or None if it failed."""
+) -> Answer | None:
+    """One streamed request, chat or completions; None (counted in ``run.errors``) if it
+    failed or sent no text."""
     started = time.perf_counter()
     first: float | None = None
     text: list[str] = []
+    usage: dict[str, Any] | None = None
     async with session.post(url, json=body) as response:
         if response.status != 200:
             run.errors += 1
@@ -203,7 +213,10 @@ async def _request(
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
-            for choice in json.loads(line[6:]).get("choices", ()):
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", ()):
                 piece = choice.get("text") or choice.get("delta", {}).get("content")
                 if piece:
                     first = first or time.perf_counter()
@@ -211,8 +224,7 @@ async def _request(
     if first is None:
         run.errors += 1
         return None
-    run.ttfts.append(first - started)
-    return "".join(text)
+    return Answer("".join(text), first - started, usage)
 
 
 async def play(routers: Sequence[str], shape: Shape, run: Run, clients: int = 8) -> None:
@@ -237,10 +249,11 @@ async def play(routers: Sequence[str], shape: Shape, run: Run, clients: int = 8)
                         "stream": True,
                     }
                     url = routers[step % len(routers)] + path
-                    answer = await _request(http, url, body, run)
+                    answer = await stream(http, url, body, run)
                     if answer is None:
                         return
-                    answers.append(answer)
+                    run.ttfts.append(answer.ttft)
+                    answers.append(answer.text)
 
         started = time.perf_counter()
         await asyncio.gather(*(one(n, s) for n, s in enumerate(shape.sessions)))
