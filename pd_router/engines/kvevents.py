@@ -2,20 +2,24 @@
 
 An engine publishes when its node has the ``kv_events=PORT`` option (static, admin or DNS,
 like its HTTP port): the router connects a ZMQ SUB socket to ``tcp://HOST:PORT``, HOST the
-host of the node's URL. Each subscriber is a thread that only receives and checks
-messages (``fleet/kvevents.py`` says what they mean) into a bounded inbox; the event loop
-takes them from there every ``TICK`` seconds and applies them to the fleet's view. So a
-flood of events, a stalled engine or a broken message never blocks a request: an inbox
-that overflows drops its oldest messages, which shows as a gap in the sequence numbers and
-degrades the stream to prediction, as a message that does not parse and a disconnect do.
+host of the node's URL. Each subscriber is a thread that only receives messages, as bytes,
+into an inbox bounded in messages and in bytes; every ``TICK`` seconds the event loop
+checks and applies them (``fleet/kvevents.py`` says what they mean) for at most
+``BUDGET`` seconds, and leaves the rest for the next tick. So a flood of events, a
+stalled engine or a broken message never blocks a request: the loop gives events a
+fifth of its time at most; an inbox that overflows drops its oldest messages, which shows
+as a gap in the sequence numbers and degrades the stream to prediction, as a message that
+does not parse and a disconnect do. A message larger than ``MAX_MESSAGE`` is refused by
+ZMQ itself (it closes the connection: a disconnect), and ZMQ heartbeats find a publisher
+that stopped answering (its host gone, its process stopped) within ``HEARTBEAT_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,7 +27,7 @@ import anyio
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from pd_router.fleet.kvevents import Batch, EventError, EventStreams, decode
+from pd_router.fleet.kvevents import DEGRADED, DISCONNECTED, EventError, EventStreams, decode
 from pd_router.fleet.nodes import KV_EVENTS, Node
 
 log = logging.getLogger("pd_router.kvevents")
@@ -32,11 +36,27 @@ TICK = 0.05
 # With no node publishing, only the check for one that has started to: a router without
 # KV events pays no 50 ms tick (2 ms of CPU a second, measured).
 IDLE_TICK = 1.0
-# Messages a subscriber holds for the loop; beyond, the oldest go (a gap, then degraded).
+# Of each tick, at most this applying events (the loop is late by no more, and one
+# message's worth: a flood takes a fifth of the loop at most; what is left waits).
+BUDGET = 0.01
+# Messages a subscriber holds for the loop, and their bytes; beyond, the oldest go (a gap,
+# then degraded).
 INBOX = 4096
+INBOX_BYTES = 16 << 20
+# A larger message is no engine's: a scheduling step's BlockStored for ~500,000 tokens
+# (~7 bytes a token with its block hashes) fits. ZMQ drops the connection on one.
+MAX_MESSAGE = 4 << 20
+# Messages ZMQ itself queues for the thread, which takes them at once (so at most
+# RECEIVE_QUEUE x MAX_MESSAGE in ZMQ's buffers, however fast a publisher sends).
+RECEIVE_QUEUE = 64
+HEARTBEAT = 1.0
+HEARTBEAT_TIMEOUT = 3.0
+# After a lost connection, a new socket this much later.
+RECONNECT = 0.1
 POLL_MS = 100
 
-Message = tuple[str, Batch | str]
+# A message's frames, or why the connection was lost.
+Item = list[bytes] | str
 
 
 def endpoint_of(node: Node) -> str | None:
@@ -52,7 +72,9 @@ class Subscriber:
 
     def __init__(self, context: zmq.Context[Any], endpoint: str) -> None:
         self.endpoint = endpoint
-        self.inbox: deque[Message] = deque(maxlen=INBOX)
+        self._inbox: deque[Item] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
         self._context = context
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}")
@@ -65,39 +87,63 @@ class Subscriber:
         self._stop.set()
         self._thread.join(timeout=2)
 
-    def take(self) -> Iterator[Message]:
-        inbox = self.inbox
-        while inbox:
-            yield inbox.popleft()
+    def take(self) -> Item | None:
+        """The oldest message (or disconnect) waiting, None if none."""
+        with self._lock:
+            if not self._inbox:
+                return None
+            item = self._inbox.popleft()
+            self._bytes -= _size(item)
+            return item
+
+    def _put(self, item: Item) -> None:
+        with self._lock:
+            inbox = self._inbox
+            inbox.append(item)
+            self._bytes += _size(item)
+            while len(inbox) > INBOX or self._bytes > INBOX_BYTES:
+                self._bytes -= _size(inbox.popleft())
 
     def _run(self) -> None:
+        while not self._stop.is_set():
+            self._follow()
+            self._stop.wait(RECONNECT)
+
+    def _follow(self) -> None:
+        """Receive on a socket of its own until the connection is lost (or stop): ZMQ
+        connects again by itself after most losses but never after a protocol error (a
+        message over ``MAX_MESSAGE``), so every loss gets a new socket."""
         socket = self._context.socket(zmq.SUB)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+            socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT * 1000))
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT * 1000))
             socket.connect(self.endpoint)
             poller = zmq.Poller()
             poller.register(socket, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while not self._stop.is_set():
                 ready = dict(poller.poll(POLL_MS))
-                if monitor in ready:
-                    monitor.recv_multipart()
-                    self.inbox.append(("disconnected", f"{self.endpoint}: disconnected"))
                 if socket in ready:
-                    self.inbox.append(self._read(socket.recv_multipart()))
+                    self._put(socket.recv_multipart())
+                if monitor in ready:
+                    # What arrived before the loss first.
+                    while socket.poll(0):
+                        self._put(socket.recv_multipart())
+                    self._put(f"{self.endpoint}: disconnected")
+                    return
         finally:
             socket.disable_monitor()
             monitor.close(linger=0)
             socket.close(linger=0)
 
-    def _read(self, frames: list[bytes]) -> Message:
-        try:
-            payload = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
-            return "batch", decode(frames, payload)
-        except (EventError, ValueError, TypeError, msgpack.UnpackException) as exc:
-            return "garbage", f"{self.endpoint}: {str(exc)[:200]}"
+
+def _size(item: Item) -> int:
+    return 0 if isinstance(item, str) else sum(len(frame) for frame in item)
 
 
 async def follow(nodes: list[Node], streams: EventStreams) -> None:
@@ -105,23 +151,42 @@ async def follow(nodes: list[Node], streams: EventStreams) -> None:
     until cancelled. ``nodes`` is the fleet's live list of prefill nodes."""
     context: zmq.Context[Any] = zmq.Context()
     subscribers: dict[int, Subscriber] = {}
+    turn = 0
     try:
         while True:
             _reconcile(nodes, streams, subscribers, context)
-            for node_id, subscriber in subscribers.items():
-                for kind, item in subscriber.take():
-                    if isinstance(item, Batch):
-                        streams.apply(node_id, item)
-                    else:
-                        stream = streams.streams.get(node_id)
-                        if stream is not None and stream.state != "degraded":
-                            log.warning("KV events of node %d: %s", node_id, item)
-                        streams.fault(node_id, kind, item)
+            # Each tick another subscriber goes first: a flooding one leaves the others
+            # their share of the budget.
+            order = list(subscribers.items())
+            turn = (turn + 1) % max(len(order), 1)
+            deadline = time.perf_counter() + BUDGET
+            for node_id, subscriber in order[turn:] + order[:turn]:
+                while time.perf_counter() < deadline and (item := subscriber.take()) is not None:
+                    _apply(streams, node_id, subscriber.endpoint, item)
+            streams.settle()
             await anyio.sleep(TICK if subscribers else IDLE_TICK)
     finally:
         for subscriber in subscribers.values():
             subscriber.stop()
         context.term()
+
+
+def _apply(streams: EventStreams, node_id: int, endpoint: str, item: Item) -> None:
+    if isinstance(item, list):
+        try:
+            payload = msgpack.unpackb(item[-1], raw=False, strict_map_key=False)
+            batch = decode(item, payload)
+        except (EventError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            kind, message = "garbage", f"{endpoint}: {str(exc)[:200]}"
+        else:
+            streams.apply(node_id, batch)
+            return
+    else:
+        kind, message = DISCONNECTED, item
+    stream = streams.streams.get(node_id)
+    if stream is not None and stream.state != DEGRADED:
+        log.warning("KV events of node %d: %s", node_id, message)
+    streams.fault(node_id, kind, message)
 
 
 def _reconcile(

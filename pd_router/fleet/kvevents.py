@@ -16,23 +16,28 @@ token ids, which is what makes them comparable with a prompt's) and its predicte
 * ``BlockStored``/``BlockRemoved``: the index follows, exactly; blocks of another medium
   (an offloading tier) or another KV cache group (a hybrid model's sliding window) are not
   the prefix cache the router routes on, and are left out.
-* ``AllBlocksCleared`` (``/reset_prefix_cache``, a weights reload) and a sequence number
-  going back (the engine restarted): the engine holds nothing; index and prediction are
-  emptied.
+* ``AllBlocksCleared`` (``/reset_prefix_cache``, a weights reload), a sequence number
+  going back (the engine restarted) and a disconnect (most often the engine's process
+  ending): the engine holds nothing; index and prediction are emptied.
 * ``BlockRemoved`` after ``BlockStored``: the engine is evicting, so what it holds now
   (stored - removed blocks x block size) is its cache's real capacity; the prediction of
   that engine is bounded by it instead of by ``--engine-cache-tokens``.
 
 A gap in the sequence numbers (the subscriber fell behind: ZMQ drops what a slow
-subscriber does not take) or a message that does not parse makes the stream ``degraded``:
-the router predicts from its own placements; after a gap the index, which missed stores
-and removals, starts again empty. The next message in order makes the stream ``live``
-again.
+subscriber does not take), a message that does not parse, a disconnect, or an index
+grown past any engine's cache (``MAX_BLOCKS``: a publisher that stores and never evicts)
+makes the stream ``degraded``: the router predicts from its own placements; after a gap
+or an overflow the index, which missed stores and removals, starts again empty. The
+stream is ``live`` again once messages have come in order for ``SETTLE`` seconds with no
+fault: a flood that drops messages every few thousand keeps it degraded, where going live
+at each message in order would have the router read an index emptied a moment ago as the
+engine's whole cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -42,6 +47,8 @@ from pd_router.fleet.kvindex import BlockIndex
 WAITING = "waiting"
 LIVE = "live"
 DEGRADED = "degraded"
+# The subscriber lost its connection (the fault's kind).
+DISCONNECTED = "disconnected"
 
 
 class EventError(ValueError):
@@ -51,6 +58,17 @@ class EventError(ValueError):
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 CLEARED = "AllBlocksCleared"
+# A stream is live again this long after its last fault, once messages come in order.
+SETTLE = 1.0
+# Blocks an engine's index holds at most (~150 bytes each: ~150 MB). Far above any GPU's
+# prefix cache (an 80 GB GPU holds ~30,000 blocks of 16 tokens of an 8B model's KV, ~600,000
+# of a 0.5B model's): more is a publisher that stores and never evicts, which would grow
+# the index without end.
+MAX_BLOCKS = 1 << 20
+# A larger block size is no engine's (vLLM's are 1-256, a hybrid model's up to a few
+# thousand): it would make the capacity learned from evictions, and so the prediction's
+# bound, as large as a lie wants.
+MAX_BLOCK_SIZE = 1 << 16
 # The mediums of the engine's own prefix cache (vLLM's GPU pool; its CPU backend says GPU
 # too): an offloading tier's blocks are not what the engine finds by prefix caching.
 _PREFIX_CACHE = (None, "GPU")
@@ -142,9 +160,9 @@ def _stored(fields: dict[str, Any]) -> Stored | None:
     if not _hashes(hashes) or not isinstance(ids, list) or not _hashes([parent]):
         raise EventError("BlockStored without block hashes and token ids")
     size = fields.get("block_size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise EventError("BlockStored without a block size")
-    if not _ours(fields):
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
+        raise EventError("BlockStored without a block size (1 to 65,536 tokens)")
+    if not _ours(fields) or not hashes:
         return None
     extra = fields.get("extra_keys")
     extra = extra if isinstance(extra, list) and any(e is not None for e in extra) else None
@@ -181,34 +199,49 @@ class EventStream:
     # Stored blocks the index could not key: their parent was stored before the router
     # heard (it started later, or missed it).
     unkeyed: int = 0
-    # Faults by kind ("gap", "garbage", "disconnected"), for the metric.
+    # Faults by kind ("gap", "garbage", "disconnected", "overflow"), for the metric.
     faults: dict[str, int] = field(default_factory=dict)
     last_fault: str | None = None
     index: BlockIndex = field(default_factory=BlockIndex)
+    max_blocks: int = MAX_BLOCKS
+    # When the last fault was (the follower's monotonic clock), and whether a message in
+    # order has come since: the stream is live again ``SETTLE`` seconds after the fault.
+    faulted_at: float = 0.0
+    in_order: bool = False
 
-    def fault(self, kind: str, message: str) -> None:
+    def fault(self, kind: str, message: str, now: float) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = message
         self.state = DEGRADED
+        self.faulted_at = now
+        self.in_order = False
 
-    def apply(self, batch: Batch, holdings: Holdings) -> None:
+    def apply(self, batch: Batch, holdings: Holdings, now: float) -> None:
         """A batch arrived: the engine's index and ``holdings`` follow what it says."""
         if self.seq is not None and batch.seq <= self.seq:
-            # The publisher's count started again: a new engine process, an empty cache.
+            # The publisher's count started again: a new engine process, an empty cache,
+            # followed from its start.
             self.restarts += 1
-            self._cleared(holdings)
+            self.forget(holdings)
+            self.in_order = True
         elif self.seq is not None and batch.seq != self.seq + 1:
-            self.fault("gap", f"missed batches {self.seq + 1}-{batch.seq - 1}")
+            self.fault("gap", f"missed batches {self.seq + 1}-{batch.seq - 1}", now)
             # The index missed stores and removals: it starts again from what comes now.
             self.index.clear()
-            self.seq = batch.seq
-            self.batches += 1
-            self._events(batch, holdings)
-            return
+        else:
+            self.in_order = True
         self.seq = batch.seq
         self.batches += 1
-        self.state = LIVE
         self._events(batch, holdings)
+        if len(self.index) > self.max_blocks:
+            self.fault("overflow", f"more than {self.max_blocks} blocks: no engine's cache", now)
+            self.index.clear()
+        self.settle(now)
+
+    def settle(self, now: float) -> None:
+        """Live if messages came in order since the last fault, ``SETTLE`` seconds ago."""
+        if self.in_order and (self.state == WAITING or now - self.faulted_at >= SETTLE):
+            self.state = LIVE
 
     def _events(self, batch: Batch, holdings: Holdings) -> None:
         index = self.index
@@ -222,15 +255,16 @@ class EventStream:
                 self.block_size = index.block_size or event.block_size
             elif isinstance(event, Removed):
                 if self.capacity is None or self.blocks > self.capacity // max(self.block_size, 1):
-                    # Evicting at this fill: the cache is this big.
-                    self.capacity = self.blocks * self.block_size
+                    # Evicting at this fill: the cache is this big (no bigger than an index
+                    # may be: a lie's count of blocks stored is no bound).
+                    self.capacity = min(self.blocks, self.max_blocks) * self.block_size
                 self.blocks = max(self.blocks - len(event.hashes), 0)
                 index.removed(event.hashes)
             else:
                 self.clears += 1
-                self._cleared(holdings)
+                self.forget(holdings)
 
-    def _cleared(self, holdings: Holdings) -> None:
+    def forget(self, holdings: Holdings) -> None:
         self.blocks = 0
         self.index.clear()
         holdings.clear()
@@ -258,14 +292,21 @@ class EventStreams:
     """The event streams of the engines that publish, by node id, applied to a ``KvView``:
     the view reads the index of every stream that is live (``KvView.cached``)."""
 
-    def __init__(self, view: KvView) -> None:
+    def __init__(
+        self,
+        view: KvView,
+        clock: Callable[[], float] = time.monotonic,
+        max_blocks: int = MAX_BLOCKS,
+    ) -> None:
         self.view = view
+        self.clock = clock
+        self.max_blocks = max_blocks
         self.streams: dict[int, EventStream] = {}
 
     def watch(self, node_id: int, endpoint: str) -> EventStream:
         stream = self.streams.get(node_id)
         if stream is None or stream.endpoint != endpoint:
-            stream = self.streams[node_id] = EventStream(endpoint)
+            stream = self.streams[node_id] = EventStream(endpoint, max_blocks=self.max_blocks)
             self.view.indexes[node_id] = stream.index
             self.view.live.pop(node_id, None)
         return stream
@@ -279,7 +320,7 @@ class EventStreams:
         stream = self.streams.get(node_id)
         if stream is None:
             return
-        stream.apply(batch, self.view.of(node_id))
+        stream.apply(batch, self.view.of(node_id), self.clock())
         self._state(node_id, stream)
         if stream.capacity:
             self.view.set_capacity(node_id, stream.capacity)
@@ -287,8 +328,23 @@ class EventStreams:
     def fault(self, node_id: int, kind: str, message: str) -> None:
         stream = self.streams.get(node_id)
         if stream is not None:
-            stream.fault(kind, message)
+            stream.fault(kind, message, self.clock())
+            if kind == DISCONNECTED:
+                # Most often the engine's process ended (a restart comes back with an empty
+                # cache, and says so only with its first events, after the first requests
+                # were picked); a connection back to the same process costs only what the
+                # router then learns again.
+                stream.forget(self.view.of(node_id))
             self._state(node_id, stream)
+
+    def settle(self) -> None:
+        """Streams in order since their last fault, long enough ago, are live again
+        (called every tick: an engine may say nothing for a while after its fault)."""
+        now = self.clock()
+        for node_id, stream in self.streams.items():
+            if stream.state == DEGRADED:
+                stream.settle(now)
+                self._state(node_id, stream)
 
     def _state(self, node_id: int, stream: EventStream) -> None:
         if stream.state == LIVE:

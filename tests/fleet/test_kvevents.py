@@ -13,6 +13,7 @@ from pd_router.fleet.holdings import CHUNK_TOKENS, KvView
 from pd_router.fleet.kvevents import (
     DEGRADED,
     LIVE,
+    SETTLE,
     EventError,
     EventStreams,
     Removed,
@@ -91,15 +92,51 @@ def test_a_clear_or_a_restart_empties_the_engines_predicted_holdings() -> None:
 
 
 def test_a_gap_degrades_the_stream_until_messages_come_in_order_again() -> None:
-    streams = EventStreams(KvView())
+    now = [100.0]
+    streams = EventStreams(KvView(), clock=lambda: now[0])
     stream = streams.watch(0, "tcp://p0:5557")
     streams.apply(0, batch(0, stored(1)))
+    assert stream.state == LIVE, "the first message heard is in order"
     streams.apply(0, batch(5, stored(1)))
     assert stream.state == DEGRADED and not streams.live(0) and stream.faults == {"gap": 1}
+    # In order again, but a flood drops a message every few thousand: not live yet.
+    now[0] += SETTLE / 2
     streams.apply(0, batch(6, stored(1)))
-    assert stream.state == LIVE
+    assert stream.state == DEGRADED
+    streams.apply(0, batch(9, stored(1)))
+    now[0] += SETTLE / 2
+    streams.apply(0, batch(10, stored(1)))
+    assert stream.state == DEGRADED and stream.faults == {"gap": 2}
+    # In order for SETTLE since the last gap: live, at the next message or the next tick
+    # (an engine may say nothing for a while).
+    now[0] += SETTLE / 2
+    streams.settle()
+    assert stream.state == LIVE and streams.live(0)
     streams.fault(0, "garbage", "not msgpack")
-    assert not streams.live(0) and stream.faults == {"gap": 1, "garbage": 1}
+    assert not streams.live(0) and stream.faults == {"gap": 2, "garbage": 1}
+    # A fault since the last message: no tick makes it live, only a message in order.
+    now[0] += 2 * SETTLE
+    streams.settle()
+    assert stream.state == DEGRADED
+    streams.apply(0, batch(11, stored(1)))
+    assert stream.state == LIVE
+
+
+def test_a_publisher_that_stores_and_never_evicts_is_bounded() -> None:
+    """No engine holds more than ``max_blocks``: the index of one that says so is emptied
+    (an overflow fault, degraded) instead of growing without end."""
+    streams = EventStreams(KvView(), max_blocks=100)
+    stream = streams.watch(0, "tcp://p0:5557")
+    for seq in range(30):
+        # A new prompt's 8 blocks each time.
+        hashes = [seq * 8 + index for index in range(8)]
+        event = ["BlockStored", hashes, None, list(range(seq * 128, seq * 128 + 128)), 16]
+        streams.apply(0, batch(seq, [*event, None, None]))
+        assert len(stream.index) <= 100
+    assert stream.faults == {"overflow": 2} and stream.state == DEGRADED
+    # A removal after it (of blocks it never held) teaches no cache larger than that.
+    streams.apply(0, batch(30, ["BlockRemoved", [10**6], None]))
+    assert stream.capacity is not None and stream.capacity <= 100 * 16
 
 
 def test_evictions_teach_the_engines_capacity() -> None:
