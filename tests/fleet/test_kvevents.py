@@ -57,8 +57,10 @@ def test_vllm_messages_decode_and_garbage_does_not() -> None:
         assert (first.parent, first.ids, first.block_size) == (None, list(range(32)), 16)
         assert isinstance(removed, Removed) and removed.hashes == [b"h0"]
         assert cleared is None
-    # Another medium (an offloading tier) or KV cache group is not the prefix cache.
-    assert batch(1, {**as_map, "medium": "CPU"}, {**as_map, "group_idx": 1}).events == ()
+    # Another medium (an offloading tier) or KV cache group is not the prefix cache, and a
+    # BlockStored of no blocks says nothing.
+    empty = {**as_map, "block_hashes": [], "token_ids": []}
+    assert batch(1, {**as_map, "medium": "CPU"}, {**as_map, "group_idx": 1}, empty).events == ()
     # Newer vLLM versions add fields at the end (a data-parallel rank): still understood.
     frames = message(8, stored(1))
     assert decode(frames, [1.0, [stored(1)], 0]).seq == 8
@@ -69,6 +71,9 @@ def test_vllm_messages_decode_and_garbage_does_not() -> None:
         (frames, [1.0, [["BlockStored", [b"h"], None, [], "sixteen"]]]),
         (frames, [1.0, [{**as_map, "block_hashes": [[1]]}]]),
         (frames, [1.0, [["SomethingElse"]]]),
+        # No engine's block size: it would be taken as the engine's, and the capacity
+        # learned from its evictions would be as large.
+        (frames, [1.0, [{**as_map, "block_hashes": [], "token_ids": [], "block_size": 1 << 62}]]),
         (frames, [1.0, "events"]),
     ]:
         with pytest.raises(EventError):
@@ -89,6 +94,12 @@ def test_a_clear_or_a_restart_empties_the_engines_predicted_holdings() -> None:
     # The sequence starts again: a new engine process, with an empty cache.
     streams.apply(0, batch(0, stored(1)))
     assert view.of(0).held([1, 2, 3]) == 0 and stream.restarts == 1
+    # A disconnect is most often the engine's process ending: forgotten at once, not at
+    # the new process's first events (after the first requests to it were picked).
+    view.of(0).insert([1, 2, 3])
+    streams.fault(0, "disconnected", "tcp://p0:5557: disconnected")
+    assert view.of(0).held([1, 2, 3]) == 0 and len(stream.index) == 0
+    assert stream.state == DEGRADED
 
 
 def test_a_gap_degrades_the_stream_until_messages_come_in_order_again() -> None:
