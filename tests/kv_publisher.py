@@ -7,11 +7,13 @@ this process's CPU, not the test's (whose clients measure the router) nor the ro
 ``python tests/kv_publisher.py PORT`` reads one command a line on stdin and answers each
 with ``ok SEQ`` (the sequence number the next batch gets) once it is in effect:
 
-* ``flood SECONDS``: as fast as it can for SECONDS (ZMQ drops what the subscriber does not
-  take: its sequence numbers jump), then quiet. An engine with a bounded cache: every
-  batch stores a few blocks chained to the ones before and removes the oldest beyond
-  ``CACHE`` blocks.
-* ``trickle SECONDS``: the same batches, in order, one every SECONDS, until the next command.
+* ``flood SECONDS [BLOCKS]``: as fast as ZMQ sends, for SECONDS, then quiet (ZMQ drops
+  what the subscriber does not take: its sequence numbers jump). An engine with a bounded
+  cache: each batch stores a new prompt's BLOCKS blocks (default 4, of 16 tokens) and
+  removes the oldest beyond ``CACHE`` blocks; four such batches, built before, sent in
+  turn.
+* ``trickle SECONDS``: such batches of 4 blocks, in order, one every SECONDS, until the
+  next command.
 * ``quiet``: nothing (still bound and connected).
 * ``send JSON``: one batch whose events are the JSON list (hashes as ints, as vLLM's
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` sends them), sent blocking (a subscriber that
@@ -48,17 +50,23 @@ class Engine:
         self.context: zmq.Context[Any] = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # What ZMQ queues for a slow subscriber before it drops (vLLM's is larger): a flood
+        # of megabyte batches must not take gigabytes here.
+        self.socket.setsockopt(zmq.SNDHWM, 64)
         self.socket.bind(f"tcp://127.0.0.1:{port}")
         self.seq = 0
         self.next_hash = 1
         self.held: deque[int] = deque()
 
     def send(self, events: list[Any], block: bool = False) -> None:
-        payload = msgpack.packb([time.time(), events, None])
+        self.send_payload(msgpack.packb([time.time(), events, None]), block)
+
+    def send_payload(self, payload: bytes, block: bool = False) -> None:
         frames = [TOPIC, self.seq.to_bytes(8, "big"), payload]
         self.seq += 1
         try:
-            self.socket.send_multipart(frames, flags=0 if block else zmq.NOBLOCK)
+            # Not copied: a flood sends the same few payloads over and over.
+            self.socket.send_multipart(frames, flags=0 if block else zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass  # vLLM's publisher drops too
 
@@ -91,7 +99,8 @@ def stored(hashes: list[int], parent: int | None, seed: int, block: int = BLOCK)
 
 def serve(port: int, commands: IO[str]) -> None:
     engine = Engine(port)
-    mode, until, every, blocks = "quiet", 0.0, 0.0, PER_BATCH
+    mode, until, every = "quiet", 0.0, 0.0
+    ring: list[bytes] = []
     lines: deque[str] = deque()
     arrived = threading.Event()
 
@@ -110,8 +119,11 @@ def serve(port: int, commands: IO[str]) -> None:
                 return
             if verb == "flood":
                 seconds, _, size = rest.partition(" ")
-                mode, until = "flood", time.monotonic() + float(seconds)
                 blocks = int(size or PER_BATCH)
+                # Built before: a flood is as fast as ZMQ sends, whatever the batch's size
+                # (sent in turn: what each stores, the next ones remove).
+                ring = [msgpack.packb([time.time(), engine.step(blocks), None]) for _ in range(4)]
+                mode, until = "flood", time.monotonic() + float(seconds)
             elif verb == "trickle":
                 mode, every = "trickle", float(rest)
             elif verb == "quiet":
@@ -124,7 +136,7 @@ def serve(port: int, commands: IO[str]) -> None:
             print(f"ok {engine.seq}", flush=True)
         if mode == "flood":
             for _ in range(100):
-                engine.send(engine.step(blocks))
+                engine.send_payload(ring[engine.seq % len(ring)])
             if time.monotonic() > until:
                 mode = "quiet"
         elif mode == "trickle":

@@ -142,9 +142,10 @@ async def test_a_flood_keeps_the_event_loop_on_time(anyio_backend: str) -> None:
                 await anyio.sleep(0.01)
                 late.append(time.monotonic() - start - 0.01)
             tg.cancel_scope.cancel()
-    # A tick's budget (10 ms) and one message (~20 ms) late at most; a loaded machine adds
-    # its own stalls. Before: 6 s.
-    assert max(late) < 1.0, sorted(late)[-5:]
+    # A tick's budget (10 ms) and one message (~35 ms of work) late at most: 0.25-0.3 s
+    # measured on a loaded machine (benchmarks/kv_events_flood.py), which adds its own
+    # stalls. Before: 37-52 s.
+    assert max(late) < 1.5, sorted(late)[-5:]
     assert streams.streams[0].faults.get("gap", 0) >= 1, "the flood was taken whole"
 
 
@@ -257,13 +258,10 @@ def test_an_engine_restart_is_forgotten_and_followed_again() -> None:
             )
             assert answer.status_code in (200, 502, 503) and time.monotonic() - start < 10
 
-            restarted = EngineProcess("prefill", args, port=engine.port)
-            with restarted:
+            serving = f"pd_router_node_state{{node=0,role=prefill,state=serving,url={engine.url}}}"
+            with EngineProcess("prefill", args, port=engine.port):
                 wait_for(
-                    lambda: router.metrics().get(
-                        f"pd_router_node_state{{node=0,role=prefill,state=serving,url={engine.url}}}"
-                    )
-                    == 1,
+                    lambda: router.metrics().get(serving) == 1,
                     timeout=WAIT,
                     what="the engine serving again",
                 )

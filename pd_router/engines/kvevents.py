@@ -40,7 +40,9 @@ IDLE_TICK = 1.0
 # message's worth: a flood takes a fifth of the loop at most; what is left waits).
 BUDGET = 0.01
 # Messages a subscriber holds for the loop, and their bytes; beyond, the oldest go (a gap,
-# then degraded).
+# then degraded). Dropped here, not left in ZMQ's queues: those would fill up to the
+# publisher's (vLLM's holds 100,000 messages), and the router, that far behind, would not
+# see the gap before it had applied them all.
 INBOX = 4096
 INBOX_BYTES = 16 << 20
 # A larger message is no engine's: a scheduling step's BlockStored for ~500,000 tokens
