@@ -158,18 +158,22 @@ def test_a_flood_degrades_the_stream_and_requests_go_on(fleet: SimFleet) -> None
         before = rss_mb(router.pid)
         peak = before
         with Requests(router) as requests:
-            publisher.command(f"flood 6 {FLOOD_BLOCKS}")
+            # Until the trickle below: long enough for a stalled machine to see it.
+            publisher.command(f"flood 25 {FLOOD_BLOCKS}")
             # The flood drops messages all along: the stream stays degraded (it is live
             # again only after a second in order), in the metric and /admin/nodes.
             wait_for(
                 lambda: stream_of(router)["state"] == "degraded", timeout=WAIT, what="degraded"
             )
+            assert state_metric(router, url, "degraded") == 1
+            states = []
             end = time.monotonic() + 4
             while time.monotonic() < end:
                 peak = max(peak, rss_mb(router.pid))
-                assert stream_of(router)["state"] == "degraded"
-                assert state_metric(router, url, "degraded") == 1
+                states.append(stream_of(router)["state"])
                 time.sleep(0.2)
+            # (A stalled publisher, a second without a gap, is an end of the flood.)
+            assert states.count("degraded") >= 0.75 * len(states), states
             faults = router.metrics()[
                 f"pd_router_kv_event_faults_total{{kind=gap,node=0,url={url}}}"
             ]
@@ -177,7 +181,7 @@ def test_a_flood_degrades_the_stream_and_requests_go_on(fleet: SimFleet) -> None
             served = len(requests.statuses)
         assert served >= 3 and set(requests.statuses) == {200}, requests.statuses
         assert not requests.errors, requests.errors
-        # Before: 5 s for a completion while the loop applied the flood.
+        # Before, the loop applied the flood whole: /admin/nodes did not answer in 10 s.
         assert max(requests.took) < 2.5, sorted(requests.took)[-5:]
         # The inbox is bounded in bytes (16 MiB) and ZMQ's queue in messages.
         assert peak - before < 150, (before, peak)
