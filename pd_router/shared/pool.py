@@ -128,6 +128,11 @@ class SharedPool(DecodePool):
         # Until when the last acquisition's finding holds: a slot left on its node and
         # nobody waiting (``ROOM_FOR``).
         self._room_until = -math.inf
+        # The scripts' lists of nodes as the fleet is now, made once (``refresh`` forgets
+        # them): the nodes a request for a model may land on, and each node's entry (what
+        # waiters it takes; none: it takes none).
+        self._offers: dict[str | None, list[str]] = {}
+        self._entries: dict[str, list[str] | None] = {}
 
     # ------------------------------------------------------------------ the pool's interface
 
@@ -141,6 +146,11 @@ class SharedPool(DecodePool):
             ("the shared state's grants", self._listen_forever),
             ("the shared state's releases", self._work),
         ]
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._offers.clear()
+        self._entries.clear()
 
     def try_acquire(
         self, avoid: Node | None = None, model: str | None = None
@@ -225,14 +235,8 @@ class SharedPool(DecodePool):
     async def _acquire(
         self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
     ) -> Any:
-        accept = self.accept(model)
-        nodes = [
-            node
-            for node in self.nodes
-            if node.state in accept and node is not avoid and node.serves(model)
-        ]
         args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
-        args += self._takes(nodes)
+        args += self._offer(avoid, model)
         carried = self._carry()
         started = anyio.current_time()
         number = int(resid)
@@ -523,18 +527,44 @@ class SharedPool(DecodePool):
                 self._releases[:0] = releases
                 raise
 
+    def _offer(self, avoid: Node | None, model: str | None) -> list[str]:
+        """The nodes a request for ``model`` may land on, but ``avoid``, as the scripts'
+        list (``_takes``)."""
+        offer = self._offers.get(model) if avoid is None else None
+        if offer is None:
+            accept = self.accept(model)
+            nodes = [
+                node
+                for node in self.nodes
+                if node.state in accept and node is not avoid and node.serves(model)
+            ]
+            offer = self._takes(nodes)
+            if avoid is None:
+                self._offers[model] = offer
+        return offer
+
     def _takes(self, nodes: Sequence[Node]) -> list[str]:
         """Those of ``nodes`` that take waiters now and which each takes, for the scripts (a
         list of nodes: ``shared_scripts``). As in-process (``DecodePool._first_for``), a
         node takes a waiter for a model it serves while its state is one that model
         accepts; a slot freed on a node left out goes back to it."""
-        out, count = [], 0
+        out: list[str] = []
+        count = 0
         for node in nodes:
-            plus, models = self._models_taken(node)
-            if models or not plus:
-                out += [node.url, "+" if plus else "-", str(len(models)), *models]
+            if node.url not in self._entries:
+                self._entries[node.url] = self._entry(node)
+            entry = self._entries[node.url]
+            if entry is not None:
+                out += entry
                 count += 1
         return [str(count), *out]
+
+    def _entry(self, node: Node) -> list[str] | None:
+        """``node``'s entry in a list of nodes, or None if it takes no waiter."""
+        plus, models = self._models_taken(node)
+        if plus and not models:
+            return None
+        return [node.url, "+" if plus else "-", str(len(models)), *models]
 
     def _models_taken(self, node: Node) -> tuple[bool, list[str]]:
         """(True, the models whose waiters ``node`` takes) or (False, the models whose
