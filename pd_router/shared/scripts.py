@@ -217,7 +217,8 @@ end
 -- The oldest waiter among the models spec takes (all but those listed: the queued ones):
 -- its model and member, or nil.
 local function first_for(spec)
-  if spec == nil then return nil end
+  -- Nobody waits, the usual case: one read, not one per model the node takes.
+  if spec == nil or redis.call('SCARD', P .. 'queues') == 0 then return nil end
   local models = spec.listed
   if not spec.plus then models = redis.call('SMEMBERS', P .. 'queues') end
   local model, member, seq = nil, nil, nil
