@@ -250,13 +250,13 @@ class _LoopConnection(_Replies, asyncio.Protocol):
     async def _more(self) -> None:
         if self._closed:
             raise self._lost()
+        if self._expired:  # checked here: the timer may have fired while nobody waited
+            raise _NoReply
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
         finally:
             self._waiter = None
-        if self._expired:
-            raise _NoReply
 
     async def request_within(self, command: bytes, seconds: float) -> resp.Reply:
         """``request``, given up after ``seconds`` (``_NoReply``): the connection is then
