@@ -18,9 +18,12 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
   a worker sends it, again and again while Redis is away (the script is idempotent). Until
   then Redis counts the slot as used: never over the slots. The worker waits up to
   ``HOLD`` seconds for an acquisition to carry it (one round trip per request instead of
-  two) while no acquisition runs, unless slots are short: a waiter of this router is
+  two) while no acquisition runs, unless slots may be short: a waiter of this router is
   queued, or the last acquisition found its node's last slot or someone waiting, in any
-  queue.
+  queue, or was more than ``ROOM_FOR`` seconds ago (another router may have filled the
+  pool since, and queued a waiter). A renewal carries the releases not sent yet too
+  (else, held no more, they would be settled as calls given up on). A call that carried
+  releases and failed, however, puts them back to be sent again.
 * A router holds a lease, renewed every third of ``lease`` seconds. One that stops
   renewing (killed, partitioned) has its slots and queue entries returned by the next
   router to renew, within ``lease`` seconds. A router that finds its registration gone
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -68,6 +72,10 @@ RELEASE_BATCH = 256
 # Seconds a release waits for an acquisition to carry it, while slots are not short: one
 # client's next request comes well within it.
 HOLD = 0.005
+# Seconds the last acquisition's word that slots are not short (its node had a slot left
+# and nobody waited) is believed. Older, a release is sent at once: slots may be short by
+# then, and a release held back would keep another router's waiter waiting.
+ROOM_FOR = HOLD
 
 _ACQUIRE = Script(scripts.ACQUIRE)
 _RELEASE = Script(scripts.RELEASE)
@@ -117,8 +125,14 @@ class SharedPool(DecodePool):
         self._renew_asked = False
         self._ready: anyio.Event | None = None  # set when there is work for the worker
         self._carried: anyio.Event | None = None  # set when an acquisition took releases
-        # The last acquisition found a slot left on its node and nobody waiting.
-        self._room = False
+        # Until when the last acquisition's finding holds: a slot left on its node and
+        # nobody waiting (``ROOM_FOR``).
+        self._room_until = -math.inf
+        # The scripts' lists of nodes as the fleet is now, made once (``refresh`` forgets
+        # them): the nodes a request for a model may land on, and each node's entry (what
+        # waiters it takes; none: it takes none).
+        self._offers: dict[str | None, list[str]] = {}
+        self._entries: dict[str, list[str] | None] = {}
 
     # ------------------------------------------------------------------ the pool's interface
 
@@ -132,6 +146,11 @@ class SharedPool(DecodePool):
             ("the shared state's grants", self._listen_forever),
             ("the shared state's releases", self._work),
         ]
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._offers.clear()
+        self._entries.clear()
 
     def try_acquire(
         self, avoid: Node | None = None, model: str | None = None
@@ -216,14 +235,8 @@ class SharedPool(DecodePool):
     async def _acquire(
         self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
     ) -> Any:
-        accept = self.accept(model)
-        nodes = [
-            node
-            for node in self.nodes
-            if node.state in accept and node is not avoid and node.serves(model)
-        ]
         args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
-        args += self._takes(nodes)
+        args += self._offer(avoid, model)
         carried = self._carry()
         started = anyio.current_time()
         number = int(resid)
@@ -245,15 +258,20 @@ class SharedPool(DecodePool):
                     reply = await self._run(_ACQUIRE, args)
                 elif reply[-1]:
                     await self._renew()  # what Redis could not repair, before others read it
-        except Unavailable:
-            if carried:  # they may not have been given back: the worker sends them again
-                self._releases[:0] = carried
-            self.wake()  # the script may have run, or may still: settled by the renewal
+        except BaseException:
+            # Whatever failed (Redis away, a hook of the registration, a bug): the releases
+            # carried may not have been given back, so they are sent again (a release runs
+            # once however often sent), and the script may have run, or may still: settled
+            # by the renewal.
+            self._releases[:0] = carried
+            self.wake()
             raise
         finally:
             self._calling.discard(number)
-        self._room = reply[0] == b"ok" and reply[2] == 1
-        if not self._room:
+        if reply[0] == b"ok" and reply[2] == 1:
+            self._room_until = anyio.current_time() + ROOM_FOR
+        else:
+            self._room_until = -math.inf
             self._hurry()
         if reply[0] == b"ok":
             node = self._by_url(reply[1].decode())
@@ -402,13 +420,14 @@ class SharedPool(DecodePool):
     def _may_hold(self) -> bool:
         """Releases may wait for the next acquisition: no acquisition is running (one that
         runs holds the settling lock the next needs: under load, the worker sends at once),
-        no renewal is asked for, and slots are not short."""
+        no renewal is asked for, and slots are not short (the last acquisition, at most
+        ``ROOM_FOR`` seconds ago, found room; no waiter of this router is queued)."""
         return bool(
             self._releases
             and not self._renew_asked
             and not self._calling
-            and self._room
             and not self._queued
+            and anyio.current_time() < self._room_until
         )
 
     def _hurry(self) -> None:
@@ -465,7 +484,6 @@ class SharedPool(DecodePool):
         one at a time, releases fell behind acquisitions under load, and Redis counted
         slots long given back (729 counted with 64 requests in flight). While slots are not
         short, releases first wait ``HOLD`` seconds for an acquisition to carry them."""
-        releases: list[tuple[str, str]] = []
         try:
             while True:
                 if not self._releases and not self._renew_asked:
@@ -476,44 +494,77 @@ class SharedPool(DecodePool):
                     with anyio.move_on_after(HOLD):
                         await self._carried.wait()
                     self._carried = None
-                releases = self._releases[:RELEASE_BATCH]
-                del self._releases[:RELEASE_BATCH]
                 renew, self._renew_asked = self._renew_asked, False
-                while True:
-                    try:
-                        if releases:
-                            args = [self.router_id, *self._release_args(releases)]
-                            async with self._settling:
-                                await self._run(_RELEASE, args)
-                            releases = []
-                        if renew:
-                            await self._renew()
-                        break
-                    except Unavailable:
-                        await anyio.sleep(RETRY)
+                try:
+                    if renew:
+                        await self._renew()  # which carries the releases
+                    elif self._releases:  # (none: carried; the lock stays free to carry more)
+                        await self._release()
+                except Unavailable:
+                    self._renew_asked |= renew
+                    await anyio.sleep(RETRY)
         finally:
-            releases += self._releases
-            if releases:
+            if self._releases:
                 # Stopping: what a request gave back while its release waited is sent once,
                 # briefly, rather than held in Redis until this router's lease ends.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                    args = [self.router_id, *self._release_args(releases)]
                     with contextlib.suppress(Unavailable):
-                        async with self._settling:
-                            await self._run(_RELEASE, args)
+                        while self._releases:
+                            await self._release()
+
+    async def _release(self) -> None:
+        """The releases waiting (a batch of them) sent, or put back if the call fails: a
+        release runs once however often it is sent. Taken under the settling lock, which a
+        renewal holds while it carries them."""
+        async with self._settling:
+            releases = self._releases[:RELEASE_BATCH]
+            del self._releases[:RELEASE_BATCH]
+            if not releases:  # carried meanwhile
+                return
+            try:
+                await self._run(_RELEASE, [self.router_id, *self._release_args(releases)])
+            except BaseException:
+                self._releases[:0] = releases
+                raise
+
+    def _offer(self, avoid: Node | None, model: str | None) -> list[str]:
+        """The nodes a request for ``model`` may land on, but ``avoid``, as the scripts'
+        list (``_takes``)."""
+        offer = self._offers.get(model) if avoid is None else None
+        if offer is None:
+            accept = self.accept(model)
+            nodes = [
+                node
+                for node in self.nodes
+                if node.state in accept and node is not avoid and node.serves(model)
+            ]
+            offer = self._takes(nodes)
+            if avoid is None:
+                self._offers[model] = offer
+        return offer
 
     def _takes(self, nodes: Sequence[Node]) -> list[str]:
         """Those of ``nodes`` that take waiters now and which each takes, for the scripts (a
         list of nodes: ``shared_scripts``). As in-process (``DecodePool._first_for``), a
         node takes a waiter for a model it serves while its state is one that model
         accepts; a slot freed on a node left out goes back to it."""
-        out, count = [], 0
+        out: list[str] = []
+        count = 0
         for node in nodes:
-            plus, models = self._models_taken(node)
-            if models or not plus:
-                out += [node.url, "+" if plus else "-", str(len(models)), *models]
+            if node.url not in self._entries:
+                self._entries[node.url] = self._entry(node)
+            entry = self._entries[node.url]
+            if entry is not None:
+                out += entry
                 count += 1
         return [str(count), *out]
+
+    def _entry(self, node: Node) -> list[str] | None:
+        """``node``'s entry in a list of nodes, or None if it takes no waiter."""
+        plus, models = self._models_taken(node)
+        if plus and not models:
+            return None
+        return [node.url, "+" if plus else "-", str(len(models)), *models]
 
     def _models_taken(self, node: Node) -> tuple[bool, list[str]]:
         """(True, the models whose waiters ``node`` takes) or (False, the models whose
@@ -536,12 +587,24 @@ class SharedPool(DecodePool):
 
     async def _renew(self) -> None:
         async with self._settling:
+            # The releases not sent yet go with it, given back as releases: else, held no
+            # more and below the floor, they would be settled as calls given up on.
+            releases, self._releases = self._releases, []
+            self._hurry()
             held, queued = self._holding()
             others = [resid for resid in self._waiting if resid not in queued[::2]]
             args = [*self._lease_and_slots(), *self._takes(self.nodes)]
-            args += [str(len(held) // 2), *held, str(len(queued) // 2), *queued, *others]
-            known, reclaimed, settled, restored, _ = await self._run(_RENEW, args)
+            args += [str(len(held) // 2), *held, str(len(queued) // 2), *queued]
+            args += [str(len(others)), *others, *(resid for resid, _ in releases)]
+            try:
+                known, reclaimed, settled, restored, _ = await self._run(_RENEW, args)
+            except BaseException:
+                self._releases[:0] = releases
+                raise
             if not known:
+                # Nothing was done: sent again once registered (were the registration alone
+                # lost, Redis may still hold them).
+                self._releases[:0] = releases
                 await self._register()
         if restored:
             log.warning(

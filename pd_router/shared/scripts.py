@@ -217,7 +217,8 @@ end
 -- The oldest waiter among the models spec takes (all but those listed: the queued ones):
 -- its model and member, or nil.
 local function first_for(spec)
-  if spec == nil then return nil end
+  -- Nobody waits, the usual case: one read, not one per model the node takes.
+  if spec == nil or redis.call('SCARD', P .. 'queues') == 0 then return nil end
   local models = spec.listed
   if not spec.plus then models = redis.call('SMEMBERS', P .. 'queues') end
   local model, member, seq = nil, nil, nil
@@ -369,12 +370,14 @@ return {'gone', bad}
 
 # ARGV: router, lease ms, floor, n, n pairs of (url, slots), the nodes that take new
 # requests (a list of nodes), m, m pairs of (reservation id, url) the router holds, q, q
-# pairs of (reservation id, model) of its waiters in the queue, then the ids of its other
-# waiters (their acquire not answered yet, or their slot not yet heard of)
+# pairs of (reservation id, model) of its waiters in the queue, o, the o ids of its other
+# waiters (their acquire not answered yet, or their slot not yet heard of), then the ids
+# of the reservations it released since its last call (as RELEASE takes them)
 # -> {1 if the router is registered (else it must REGISTER, nothing done), reclaimed,
 # settled, restored, bad}
 # Renews the lease and the nodes' slots; gives back what routers whose lease ended held;
-# counts the slots in use again; settles this router's unknown outcomes (``settle``);
+# counts the slots in use again; gives back the releases (before ``settle``, which would
+# count them as calls given up on); settles this router's unknown outcomes (``settle``);
 # writes back what it holds and who waits where Redis lost them (``restored``);
 # hands free slots to waiters (a node readmitted, a release that could not reach a waiter):
 # the oldest waiter first, each to the freest node that takes it, until no waiter left can
@@ -396,7 +399,9 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
   kept[ARGV[i]] = true
   queued[#queued + 1] = {ARGV[i], ARGV[i + 1]}
 end
-for i = at + 1 + 2 * tonumber(ARGV[at]), #ARGV do kept[ARGV[i]] = true end
+at = at + 1 + 2 * tonumber(ARGV[at])
+for i = at + 1, at + tonumber(ARGV[at]) do kept[ARGV[i]] = true end
+local released = at + 1 + tonumber(ARGV[at])
 raise_floor(router, floor)
 -- First, so that every count below is one (a bad one is repaired and noted).
 recount()
@@ -430,6 +435,8 @@ for _, other in ipairs(ended) do
     end
   end
 end
+-- After the routers whose lease ended are out: no released slot goes to their waiters.
+release(router, takes, released)
 local settled = settle(router, floor, kept, takes)
 -- What the router holds and who waits, written back where Redis lost them (a failover to
 -- a replica that had not received them). After ``settle``: a slot it gave back goes to

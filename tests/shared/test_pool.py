@@ -11,6 +11,7 @@ another, and a freed slot goes to the oldest waiter its node serves.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from anyio.abc import TaskGroup
 from pd_router.errors import Busy, QueueTimeout, Unavailable
 from pd_router.fleet.nodes import State, make_nodes
 from pd_router.fleet.pool import Reservation
+from pd_router.shared import pool as shared_pool
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, parse_url
 from tests.redis_server import RedisServer
@@ -396,3 +398,114 @@ async def test_the_waiters_of_a_router_whose_lease_ended_are_dropped(
         async with waiting(redis, A_URL) as waiters:
             await waiters.add(x, "a1", "a")
             await waiters.hand(held.release, "a1", A_URL)
+
+
+# ---------------------------------------------------------------- releases held back
+#
+# ``HOLD`` (how long a release waits for an acquisition to carry it) is made long here, so
+# that a release held back when it should not be shows as a waiter never served, and one
+# carried or settled by the wrong call cannot be told apart from a race by its timing.
+
+LONG = 30.0
+
+
+@pytest.fixture
+def long_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_pool, "HOLD", LONG)
+
+
+@pytest.fixture
+def long_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last acquisition's room believed as long as a release is held: a release follows
+    its acquisition well within it, however slow the machine."""
+    monkeypatch.setattr(shared_pool, "ROOM_FOR", LONG)
+
+
+def gave_up_on(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "gave up on" in r.getMessage()]
+
+
+async def test_a_release_held_back_and_not_yet_carried_is_no_slot_left_to_the_renewal(
+    redis_server: RedisServer,
+    redis: Redis,
+    long_hold: None,
+    long_room: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Slots not short, a release waits for the next acquisition; a renewal that comes
+    first gives it back as a release, not as what a call given up on left behind (a
+    warning that would send an operator looking for lost replies)."""
+    caplog.set_level(logging.WARNING)
+    async with router(redis_server, slots=2, lease=1.0) as a:  # renewed every 0.33 s
+        held = await a.acquire(0)
+        held.release()  # held back: the pool had room, and no acquisition follows
+        await until_used(redis, 0)  # by the renewal: the hold lasts 30 s
+    assert gave_up_on(caplog) == []
+
+
+async def test_a_release_is_held_back_only_while_the_room_last_seen_is_recent(
+    redis_server: RedisServer, redis: Redis, long_hold: None
+) -> None:
+    """What an acquisition found (room on its node, nobody waiting) goes stale: another
+    router may have filled the pool since and queued a waiter, which a release held back
+    would keep waiting."""
+    async with router(redis_server, slots=2) as x, router(redis_server, slots=2) as y:
+        held = await x.acquire(0)  # its node had room
+        await anyio.sleep(10 * shared_pool.ROOM_FOR)  # what x knows of the pool grows old
+        other = await y.acquire(0)  # the last slot
+        async with waiting(redis, URL) as waiters:
+            await waiters.add(y, "w", None)
+            await waiters.hand(held.release, "w", URL)  # at once, not after HOLD
+            other.release()
+
+
+async def test_a_release_is_sent_at_once_while_slots_are_short(
+    redis_server: RedisServer, redis: Redis, long_hold: None, long_room: None
+) -> None:
+    async with router(redis_server) as x, router(redis_server) as y:
+        held = await x.acquire(0)  # the node's last slot: slots are short
+        async with waiting(redis, URL) as waiters:
+            await waiters.add(y, "w", None)
+            await waiters.hand(held.release, "w", URL)
+
+
+async def test_a_release_held_back_is_carried_by_the_next_acquisition(
+    redis_server: RedisServer, redis: Redis, long_hold: None, long_room: None
+) -> None:
+    async with router(redis_server, slots=2, lease=600.0) as a:
+        first = await a.acquire(0)
+        first.release()  # held back: the pool had room
+        second = await a.acquire(0)
+        assert await used(redis) == 1, "the acquisition gave the first slot back"
+        second.release()
+        await a.acquire(0)  # ... and this one the second's
+        assert await used(redis) == 1
+
+
+async def test_releases_carried_by_an_acquisition_that_failed_are_sent_again(
+    redis_server: RedisServer,
+    redis: Redis,
+    long_hold: None,
+    long_room: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An acquisition that fails with any error, not only Redis away, puts back the releases
+    it carried: the script may have stopped before giving them back."""
+    caplog.set_level(logging.WARNING)
+    async with router(redis_server, slots=3, lease=600.0) as a:
+        held = [await a.acquire(0), await a.acquire(0)]
+        for reservation in held:
+            reservation.release()  # held back: the pool had room
+        # The script fails after the first release (a key of the wrong type), the store is
+        # repaired, and the registration that follows fails too (the shared fleet's hook).
+        await redis.call("SET", "{pdr}:queues", "not a set")
+
+        async def fail() -> None:
+            a.before_register = None
+            raise RuntimeError("the fleet could not be read")
+
+        a.before_register = fail
+        with pytest.raises(RuntimeError):
+            await a.acquire(0)
+        await until_used(redis, 0)  # the second release, sent again
+    assert gave_up_on(caplog) == []
