@@ -12,7 +12,8 @@ engines' holdings (``fleet/holdings.py``), calibrated from the engines' token co
 the relay calibrates it. ``--routers 2``: every step of a session through the other one,
 each hearing the other's placements ``--hear-delay`` later (``--state``); ``--rtt``: a
 prefill stays in flight at the router that long after the engine computed it, as its answer
-comes back (on routing_bench's loaded machine, ~8 ms), which the in-flight bounds see.
+comes back (on routing_bench's loaded machine, ~8 ms), which the in-flight bounds see;
+``--prefill-delay``: what each prefill takes besides its tokens.
 Time is virtual: a run takes a second or two and gives the same numbers every time.
 Printed per shape: the share of prompt tokens from cache against one unbounded engine's,
 prefills per engine, and with ``--trace`` each prefill (the costs the policy saw, where it
@@ -99,6 +100,7 @@ def replay(
     overhead: float = 0.002,
     clients: int = 8,
     rtt: float = 0.0,
+    delay: float = 0.0,
     seed: int = 0,
     policies: list[PrefillPolicy] | None = None,
 ) -> Result:
@@ -158,7 +160,7 @@ def replay(
                 def compute() -> None:
                     engine.busy = True
                     cached, hashes = engine.cache.lookup(tokens)
-                    work = engine.per_token * (len(tokens) - cached)
+                    work = delay + engine.per_token * (len(tokens) - cached)
 
                     def done() -> None:
                         engine.cache.insert(hashes)
@@ -256,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="s a prefill stays in flight at the router after the engine computed it (its "
         "answer's way back; routing_bench's loaded machine: ~0.008)",
     )
+    parser.add_argument(
+        "--prefill-delay",
+        type=float,
+        default=0.0,
+        help="s each prefill takes besides its uncached tokens (the sim's --prefill-delay; "
+        "what handling a request costs a loaded engine)",
+    )
     parser.add_argument("--seeds", type=int, default=1, help="runs, each with other think times")
     parser.add_argument(
         "--fresh",
@@ -280,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.per_token,
                 overhead=args.overhead,
                 rtt=args.rtt,
+                delay=args.prefill_delay,
             )
             run: Any = replay(
                 shape,
@@ -295,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 seed=seed,
                 policies=None if args.fresh else kept[policy],
                 rtt=args.rtt,
+                delay=args.prefill_delay,
             )
             counts = run.prefills
             ratio = max(counts) / max(min(counts), 1) if min(counts) else float("inf")

@@ -23,9 +23,10 @@ keeps from the prefill request's start to its end on every path).
 ``cost`` weighs, for each node, what sending the prefill there costs: twice the prompt's
 tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt this
 router sent there and the node has not evicted since), plus the uncached tokens of the
-prefills this router has waiting or running there. Computing a token again costs twice
-what waiting for one does: the request waits for it, and so does whatever queues behind it
-on that engine, while a wait delays this request only. So a conversation's later turn
+prefills this router has waiting or running there (and ``PREFILL_TOKENS`` for each).
+Computing a token again costs twice what waiting for one does: the request waits for it,
+and so does whatever queues behind it on that engine, while a wait delays this request
+only. So a conversation's later turn
 stays where its history is until the work waiting there exceeds twice what moving would
 recompute, and a hot document or preamble is computed on another node when load requires
 it. A share term levels the request counts: a node given more of the last few prefills
@@ -92,6 +93,13 @@ LOAD_FACTOR = 1.25
 # recomputed its history elsewhere (``benchmarks/route_replay.py --trace``: 20-30 turns of
 # the chat and agent shapes each run).
 MISS_WEIGHT = 2.0
+# What a prefill costs an engine besides its uncached tokens (a pass over the model at
+# least, the KV transfer's setup, the answer), counted as this many tokens for each of
+# this router's prefills waiting or running on a node: the work waiting there is more
+# than its tokens when they are few (a node computing three 20-token questions is not as
+# free as one computing one). Without it the short shape's p99 in ``route_replay.py``
+# was 1.12 x round_robin's (new questions queued behind cached ones), with it 1.00.
+PREFILL_TOKENS = 32
 # The share term: of the last RECENT_PER_NODE x nodes prefills, each one a node was given
 # over the mean plus a band (SHARE_SLACK x the mean + SHARE_BAND) costs SHARE_WEIGHT x the
 # recent prompts' mean size more (each one under it, that less). A prefill engine's work
@@ -398,7 +406,8 @@ class Cost(Prefix):
                 share = max(share, 0.0)
             elif floor is not None and held < depth:
                 share = max(share, floor)
-            cost = MISS_WEIGHT * uncached + waiting.get(node.id, 0) + share
+            queued = waiting.get(node.id, 0) + PREFILL_TOKENS * inflight.get(node.id, 0)
+            cost = MISS_WEIGHT * uncached + queued + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
