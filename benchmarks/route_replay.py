@@ -10,10 +10,14 @@ s per uncached token; answers are the prompt's first words, as the simulated dec
 gives them); the router is the policy itself (``fleet/prefill.py``) with its view of the
 engines' holdings (``fleet/holdings.py``), calibrated from the engines' token counts as
 the relay calibrates it. ``--routers 2``: every step of a session through the other one,
-each hearing the other's placements ``--hear-delay`` later (``--state``). Time is virtual:
-a run takes a second or two and gives the same numbers every time. Printed per shape: the
-share of prompt tokens from cache against one unbounded engine's, prefills per engine, and
-with ``--trace`` each prefill (the costs the policy saw, where it went, what it found).
+each hearing the other's placements ``--hear-delay`` later (``--state``); ``--rtt``: a
+prefill stays in flight at the router that long after the engine computed it, as its answer
+comes back (on routing_bench's loaded machine, ~8 ms), which the in-flight bounds see;
+``--prefill-delay``: what each prefill takes besides its tokens.
+Time is virtual: a run takes a second or two and gives the same numbers every time.
+Printed per shape: the share of prompt tokens from cache against one unbounded engine's,
+prefills per engine, and with ``--trace`` each prefill (the costs the policy saw, where it
+went, what it found).
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ def replay(
     trace_all: bool = False,
     overhead: float = 0.002,
     clients: int = 8,
+    rtt: float = 0.0,
+    delay: float = 0.0,
     seed: int = 0,
     policies: list[PrefillPolicy] | None = None,
 ) -> Result:
@@ -154,7 +160,7 @@ def replay(
                 def compute() -> None:
                     engine.busy = True
                     cached, hashes = engine.cache.lookup(tokens)
-                    work = engine.per_token * (len(tokens) - cached)
+                    work = delay + engine.per_token * (len(tokens) - cached)
 
                     def done() -> None:
                         engine.cache.insert(hashes)
@@ -164,7 +170,8 @@ def replay(
                         engine.busy = False
                         if engine.queue:
                             engine.queue.pop(0)()
-                        policy.release(placement)
+                        # The router hears the prefill ended one round trip later.
+                        clock.at(rtt, lambda: policy.release(placement))
                         view.calibrate(prompt, len(tokens))
                         if trace and (trace_all or max(truth) > truth[node.id]):
                             # [the first chunk's key, mod 997]: which opening or document.
@@ -181,7 +188,7 @@ def replay(
                             answers.append(" " + " ".join(tokens[: shape.answer_tokens]))
                             clock.at(rng.uniform(0, 0.05), lambda: step(index + 1))
 
-                        clock.at(overhead, first_token)
+                        clock.at(overhead + rtt, first_token)
 
                     clock.at(work, done)
 
@@ -238,6 +245,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--per-token", type=float, default=0.0001)
     parser.add_argument("--routers", type=int, default=1)
     parser.add_argument("--hear-delay", type=float, default=0.005)
+    parser.add_argument(
+        "--overhead",
+        type=float,
+        default=0.002,
+        help="s from a request's send to its pick, and from its prefill's end to its first token",
+    )
+    parser.add_argument(
+        "--rtt",
+        type=float,
+        default=0.0,
+        help="s a prefill stays in flight at the router after the engine computed it (its "
+        "answer's way back; routing_bench's loaded machine: ~0.008)",
+    )
+    parser.add_argument(
+        "--prefill-delay",
+        type=float,
+        default=0.0,
+        help="s each prefill takes besides its uncached tokens (the sim's --prefill-delay; "
+        "what handling a request costs a loaded engine)",
+    )
     parser.add_argument("--seeds", type=int, default=1, help="runs, each with other think times")
     parser.add_argument(
         "--fresh",
@@ -254,7 +281,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in args.shapes:
         for policy, seed in [(p, s) for p in args.policies for s in range(args.seeds)]:
             shape = SHAPES[name](variant=seed)
-            best = replay(shape, "round_robin", 1, 1 << 30, args.per_token)
+            best = replay(
+                shape,
+                "round_robin",
+                1,
+                1 << 30,
+                args.per_token,
+                overhead=args.overhead,
+                rtt=args.rtt,
+                delay=args.prefill_delay,
+            )
             run: Any = replay(
                 shape,
                 policy,
@@ -265,8 +301,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args.hear_delay,
                 args.trace or args.trace_all,
                 args.trace_all,
+                args.overhead,
                 seed=seed,
                 policies=None if args.fresh else kept[policy],
+                rtt=args.rtt,
+                delay=args.prefill_delay,
             )
             counts = run.prefills
             ratio = max(counts) / max(min(counts), 1) if min(counts) else float("inf")

@@ -23,20 +23,31 @@ keeps from the prefill request's start to its end on every path).
 ``cost`` weighs, for each node, what sending the prefill there costs: twice the prompt's
 tokens that node does not hold (``fleet/holdings.py``: the longest prefix of the prompt this
 router sent there and the node has not evicted since), plus the uncached tokens of the
-prefills this router has waiting or running there. Computing a token again costs twice
-what waiting for one does: the request waits for it, and so does whatever queues behind it
-on that engine, while a wait delays this request only. So a conversation's later turn
+prefills this router has waiting or running there (and ``PREFILL_TOKENS`` for each).
+Computing a token again costs twice what waiting for one does: the request waits for it,
+and so does whatever queues behind it on that engine, while a wait delays this request
+only. So a conversation's later turn
 stays where its history is until the work waiting there exceeds twice what moving would
 recompute, and a hot document or preamble is computed on another node when load requires
-it. Load is bounded as ``prefix`` bounds it (a node with more of this router's prefills in
-flight than ``LOAD_FACTOR`` x the mean + 1 is passed over; for a new session, on the nodes
-holding the most of its prompt only those behind its opening count, so that other prompts'
-prefills there do not compute a rarely asked document again elsewhere), and a share term levels the
-request counts: a node given more of the last few prefills than the mean plus a band
-costs the mean prompt's tokens more per prefill beyond it, one given fewer that less. A
-prompt that continues the one earlier prompt a node holds (a conversation's next turn,
-not a new conversation behind a shared opening) gets a wider band: moving it recomputes
-its history, and new conversations level the counts at the price of an opening at most.
+it. A share term levels the request counts: a node given more of the last few prefills
+than the mean plus a band costs the mean prompt's tokens more per prefill beyond it, one
+given fewer that less.
+
+A prompt that continues the one earlier prompt a node holds (a conversation's next turn,
+not a new conversation behind a shared opening) is bounded as ``prefix`` bounds load (a
+node with more of this router's prefills in flight than ``LOAD_FACTOR`` x the mean + 1 is
+passed over), and the share term only pushes it, beyond a wider band, and never pulls
+it: moving it recomputes its history, and new conversations level the counts at the
+price of an opening at most. A new session (anything else) starts where its later turns
+will go, so sessions are levelled as they start, by how hot their opening (the prompt's
+first chunk) is. While the opening is held by fewer nodes than it had prefills among the
+last ``len(nodes)`` placements (a burst of new conversations, an agent preamble's first
+sessions, a hot document's questions), a session goes only to a node with at most
+``BURST_SLACK`` more prefills in flight than the least busy one (on the nodes holding
+the most of its prompt only those behind its opening count), and the share term copies
+the opening to more nodes as the counts require. Once it is not hot, its holders take its
+sessions, the work waiting there in the cost, and the share term may level the counts
+among them but not copy it elsewhere (a rarely asked document is computed once).
 Ties go to the node given the fewest recent prefills, then to the node the prompt's first
 chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
 spreads new conversations alike on every router.
@@ -82,6 +93,13 @@ LOAD_FACTOR = 1.25
 # recomputed its history elsewhere (``benchmarks/route_replay.py --trace``: 20-30 turns of
 # the chat and agent shapes each run).
 MISS_WEIGHT = 2.0
+# What a prefill costs an engine besides its uncached tokens (a pass over the model at
+# least, the KV transfer's setup, the answer), counted as this many tokens for each of
+# this router's prefills waiting or running on a node: the work waiting there is more
+# than its tokens when they are few (a node computing three 20-token questions is not as
+# free as one computing one). Without it the short shape's p99 in ``route_replay.py``
+# was 1.12 x round_robin's (new questions queued behind cached ones), with it 1.00.
+PREFILL_TOKENS = 32
 # The share term: of the last RECENT_PER_NODE x nodes prefills, each one a node was given
 # over the mean plus a band (SHARE_SLACK x the mean + SHARE_BAND) costs SHARE_WEIGHT x the
 # recent prompts' mean size more (each one under it, that less). A prefill engine's work
@@ -95,11 +113,21 @@ SHARE_WEIGHT = 1.0
 SHARE_SLACK = 0.1
 SHARE_BAND = 0.5
 # A conversation's next turn (a prompt continuing the one prompt a node holds, see
-# ``Cost._continues``) is moved by the share term only beyond a wider band: moving it
-# recomputes its history, which nothing amortises (moving a new conversation gives up at
-# most a shared opening, once per node). New conversations level the counts instead.
+# ``Cost._continues``) is pushed by the share term only beyond a wider band, and never
+# pulled: moving it recomputes its history, which nothing amortises (moving a new
+# conversation gives up at most a shared opening, once per node), and a node given few
+# prefills that pulled turns in recomputed one history after another there, each queued
+# behind the last (``benchmarks/route_replay.py --trace``: the agent shape's slowest
+# requests). New conversations level the counts instead.
 CONT_SLACK = 0.25
 CONT_BAND = 2.0
+# A new session goes only to a node with at most this many more of this router's
+# prefills in flight than the least busy one (on the nodes holding the most of its
+# prompt, only those behind its opening count) while its opening is hot (``Cost._hot``):
+# each session brings its later turns to the node it starts on, so a burst of sessions
+# is spread as they start (eight at once behind a new opening: two per node of four,
+# not three on each of two and none on a fourth, which no later session made up for).
+BURST_SLACK = 1
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -329,6 +357,10 @@ class Cost(Prefix):
         # turn). Where two ended (a document's last whole chunk, the questions' own
         # words in its partial tail), what is held is shared.
         self._ends: dict[tuple[int, int], int] = {}
+        # The openings (first chunk keys) of the last ``len(nodes)`` placements, and how
+        # many each has among them (``_hot``).
+        self._lately: deque[int] = deque()
+        self._lately_counts: dict[int, int] = {}
 
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
@@ -338,14 +370,31 @@ class Cost(Prefix):
         weight = SHARE_WEIGHT * self._chunks / max(len(self._recent), 1) * prompt.chunk_tokens
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
         inflight = self._inflight
-        limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
+        depth = max(helds)
+        # Whether the share term may pull the prompt to a node (a continuation: never);
+        # for a new session behind an opening that is not hot, the least it may cost a
+        # node not holding the most of the prompt: the most it costs a holder, so that
+        # it levels the counts among the holders but does not copy the opening elsewhere.
+        pull = True
+        floor: float | None = None
         if any(self._continues(node.id, held, chunks) for node, held in zip(live, helds)):
             band = CONT_SLACK * mean + CONT_BAND
+            pull = False
             # Bounded loads on this router's prefills in flight, as ``prefix`` bounds them.
+            limit = LOAD_FACTOR * sum(inflight.get(node.id, 0) for node in live) / len(live) + 1
             keep = [i for i, node in enumerate(live) if inflight.get(node.id, 0) <= limit]
         else:
             band = SHARE_SLACK * mean + SHARE_BAND
-            keep = self._bounded(live, helds, chunks[0] if chunks else 0, limit)
+            if self._hot(chunks, helds, depth):
+                least = min(inflight.get(node.id, 0) for node in live)
+                keep = self._bounded(live, helds, chunks[0] if chunks else 0, least + BURST_SLACK)
+            else:
+                keep = list(range(len(live)))
+                floor = max(
+                    _beyond(counts.get(node.id, 0) - mean, band) * weight
+                    for node, held in zip(live, helds)
+                    if held == depth
+                )
         live, helds = [live[i] for i in keep], [helds[i] for i in keep]
         best: list[Node] = []
         best_cost = 0.0
@@ -353,7 +402,12 @@ class Cost(Prefix):
         for node, held in zip(live, helds):
             uncached = max(prompt.tokens - view.cached(node.id, prompt, held), 0)
             share = _beyond(counts.get(node.id, 0) - mean, band) * weight
-            cost = MISS_WEIGHT * uncached + waiting.get(node.id, 0) + share
+            if not pull:
+                share = max(share, 0.0)
+            elif floor is not None and held < depth:
+                share = max(share, floor)
+            queued = waiting.get(node.id, 0) + PREFILL_TOKENS * inflight.get(node.id, 0)
+            cost = MISS_WEIGHT * uncached + queued + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
@@ -374,14 +428,27 @@ class Cost(Prefix):
         salts = self._salts
         return max(best, key=lambda node: _mix(key ^ salts[node.url]))
 
+    def _hot(self, chunks: list[int], helds: list[int], depth: int) -> bool:
+        """Whether a new session's opening is hot: held nowhere, or by fewer nodes (those
+        holding the most of the prompt) than it had prefills among the last ``len(nodes)``
+        placements. A hot opening is copied to more nodes as its sessions require (the
+        in-flight bound spreads a burst of them, the share term levels the counts); a
+        cold one's holders take its sessions, the work waiting there in the cost. So a
+        document three questions asked at once is computed once, not three times (and
+        then on the node given the fewest prefills by the share term, for one question),
+        while the first sessions behind a new agent preamble spread over every node."""
+        if not depth or not chunks:
+            return True
+        copies = sum(1 for held in helds if held == depth)
+        return copies < self._lately_counts.get(chunks[0], 0)
+
     def _bounded(self, live: list[Node], helds: list[int], first: int, limit: float) -> list[int]:
-        """The nodes within the in-flight bound for a new session. On the nodes holding
-        the most of its prompt, only the prefills in flight behind the same opening (its
-        first chunk) count: the bound spreads a burst behind one prefix, but prefills of
-        other prompts there do not move the session off the node that holds its prefix
-        (their work is in the cost already) to compute it again elsewhere: a document
-        is replicated when its questions are a burst or its holders are over their
-        share (the share term), and a rarely asked one stays where it is."""
+        """The nodes within the in-flight bound for a new session behind a hot opening.
+        On the nodes holding the most of its prompt, only the prefills in flight behind
+        the same opening (its first chunk) count: the bound spreads a burst behind one
+        prefix, but prefills of other prompts there do not move the session off the node
+        that holds its prefix (their work is in the cost already) to compute it again
+        elsewhere."""
         inflight, behind = self._inflight, self._behind
         depth = max(helds)
         return [
@@ -431,6 +498,11 @@ class Cost(Prefix):
         ends[end] = min(ends.pop(end, 0) + 1, 2)
         if len(ends) > RECENT_KEYS:
             del ends[next(iter(ends))]
+        lately, lately_counts = self._lately, self._lately_counts
+        lately.append(chunks[0])
+        lately_counts[chunks[0]] = lately_counts.get(chunks[0], 0) + 1
+        if len(lately) > max(len(self.nodes), 1):
+            _decrement(lately_counts, lately.popleft())
         recent, counts = self._recent, self._counts
         recent.append((node_id, len(chunks)))
         counts[node_id] = counts.get(node_id, 0) + 1

@@ -168,9 +168,118 @@ def test_a_question_waits_behind_other_documents_rather_than_computing_its_own_a
     # What waits on node 0 costs less than computing document 0 elsewhere.
     assert policy.waiting[home.id] < MISS_WEIGHT * (ask.tokens - ask.cached(0))
     assert policy.pick(0, prompt=ask) is home
-    # A question on document 5 is a burst behind what node 0 computes: it is bounded.
-    assert policy.pick(0, prompt=describe(question(5, 9))) is not home
-    # Once those end, node 0 takes document 5's questions again.
+    # Document 5 is not hot (one of the last four placements, one copy): its next
+    # question waits for what node 0 computes too, rather than computing it elsewhere
+    # (before, the in-flight bound sent it to an idle node, which computed it again).
+    assert policy.pick(0, prompt=describe(question(5, 9))) is home
+    # Once those end, node 0 takes document 5's questions all the more.
     for placement in busy:
         policy.release(placement)
     assert policy.pick(0, prompt=describe(question(5, 9))) is home
+
+
+def test_a_burst_of_questions_on_one_document_is_spread_while_it_is_hot() -> None:
+    """Three questions in a row on a document one node holds, nothing released: the
+    document had more of the last placements than it has copies, so the third goes
+    elsewhere (waiting behind two there, as behind its computation, is what computing
+    it again costs, and a burst's questions are spread as bounded loads spread them)."""
+    policy, nodes = rag_fleet()
+    home = nodes[0]
+    busy = [policy.place(home, 0, describe(question(0, 10 + number))) for number in range(2)]
+    assert policy.pick(0, prompt=describe(question(0, 12))) is not home
+    for placement in busy:
+        policy.release(placement)
+    assert policy.pick(0, prompt=describe(question(0, 12))) is home
+
+
+def test_the_share_term_does_not_copy_a_document_that_is_not_hot() -> None:
+    """Node 0 holds document 0 and was given the most of the recent prefills (other
+    documents' questions), node 3 the fewest: the share term sends new sessions that
+    every node would compute alike to node 3, but a question on document 0, which has
+    as many copies as it had of the last placements, stays with its holder. Before, the
+    credit and the penalty together outweighed computing the document again, and node
+    3 computed a second copy for one question (in the RAG shape, late in each run)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    for node in nodes:
+        policy.release(policy.place(node, 0, describe(question(node.id, 0))))
+    for number in range(12):
+        node = nodes[number % 3]
+        policy.release(policy.place(node, 0, describe(question(10 + number % 3, number))))
+    for number in range(6):
+        policy.release(policy.place(nodes[0], 0, describe(question(20 + number % 2, number))))
+    counts = [policy._counts.get(node.id, 0) for node in nodes]
+    assert counts[0] == max(counts) and counts[3] == min(counts), counts
+    assert policy.pick(0, prompt=describe(question(30, 0))) is nodes[3]
+    assert policy.pick(0, prompt=describe(question(0, 1))) is nodes[0]
+
+
+def test_a_later_turn_is_not_pulled_to_a_node_given_few_prefills() -> None:
+    """Home holds conversation 1's first turn; node 3 was given far fewer of the recent
+    prefills than the others. A new conversation goes to
+    node 3, but the conversation's next turn stays home: moving it recomputes its history
+    and queues it behind whatever else was pulled there (before, the share term's credit
+    pulled such turns to node 3 one after another, the agent shape's slowest requests)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    home = nodes[0]
+    for index, node in enumerate(nodes):
+        policy.heard(node, describe(completion(100 + index, 0)))
+    for number in range(12):
+        policy.heard(nodes[number % 3], describe(completion(200 + number, 0)))
+    policy.heard(home, describe(completion(1, 0)))
+    assert policy.pick(0, prompt=describe(completion(2, 0))) is nodes[3]
+    assert policy.pick(0, prompt=describe(completion(1, 1))) is home
+
+
+def test_the_first_sessions_behind_a_new_opening_start_on_every_node() -> None:
+    """Eight sessions at once behind an opening no node holds, nothing released, on a
+    router whose recent prefills went to node 0 once more than to the others (another
+    workload): two start on
+    each node. Each brings its later turns where it starts, so three on each of two
+    nodes and none on another leave that node idle for the whole workload (before: the
+    agent shape's max/min prefills per engine reached 2.2)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    other = "Some other opening entirely, for the earlier traffic. " * 160
+    for earlier in range(13):
+        node = nodes[earlier % 4]
+        policy.heard(node, describe({"model": "m", "prompt": other + f"c{earlier} " * 30}))
+    started: Counter[int] = Counter()
+    for conversation in range(8):
+        prompt = describe(completion(conversation, 0))
+        node = policy.pick(0, prompt=prompt)
+        assert node is not None
+        policy.place(node, 0, prompt)
+        started[node.id] += 1
+    assert sorted(started.values()) == [2, 2, 2, 2], started
+
+
+SHORT_SYSTEM = "Answer in one short sentence, please. " * 8  # one chunk, shared
+
+
+def short_question(number: int, words: int = 4) -> dict[str, object]:
+    messages = [
+        {"role": "system", "content": SHORT_SYSTEM},
+        {"role": "user", "content": f"question {number}: " + "why so? " * words},
+    ]
+    return {"model": "m", "messages": messages}
+
+
+def test_a_prefill_costs_more_than_its_few_tokens() -> None:
+    """Short questions behind a shared system prompt both nodes hold: three are in flight
+    on node 0, one longer one on node 1, each node given as many recent prefills. Node 0
+    has fewer uncached tokens waiting, but three prefills to get through: the next
+    question goes to node 1 (before, to node 0, behind all three: the short shape's
+    p99 was 1.12 x round_robin's in route_replay, now 1.00)."""
+    nodes = prefill_nodes(2)
+    policy = Cost(nodes)
+    for node in nodes:
+        policy.release(policy.place(node, 0, describe(short_question(100 + node.id))))
+    for number in range(3):
+        policy.release(policy.place(nodes[1], 0, describe(short_question(200 + number))))
+    for number in range(3):
+        policy.place(nodes[0], 0, describe(short_question(300 + number)))
+    policy.place(nodes[1], 0, describe(short_question(400, words=56)))
+    assert policy.waiting[nodes[0].id] < policy.waiting[nodes[1].id], policy.waiting
+    assert policy.pick(0, prompt=describe(short_question(500))) is nodes[1]
