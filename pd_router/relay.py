@@ -44,7 +44,7 @@ from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
-from pd_router.edge.protocol import DEPARTURE, Departure
+from pd_router.edge.protocol import DEPARTURE, WIRE, Departure
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -180,9 +180,10 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
-        client.attach(send)
+        extensions = scope.get("extensions") or {}
+        client.attach(send, extensions.get(WIRE))
         error: RouterError | None = None
-        departure: Departure | None = scope.get("extensions", {}).get(DEPARTURE)
+        departure: Departure | None = extensions.get(DEPARTURE)
         try:
             with anyio.CancelScope() as self._scope:
                 if departure is None:
@@ -579,7 +580,11 @@ class Relay:
         prefilled: handshake.Prefilled,
         data: bytes,
     ) -> None:
-        """Stream the answer, starting with ``data``, its bytes read in the hand-off."""
+        """Stream the answer, starting with ``data``, its bytes read in the hand-off.
+
+        Once the client's response has begun, the rest is poured: passed on from the engine
+        connection's callback as each read arrives (``_Pour``), the relay waking only at
+        the end of the stream; without a ``Wire`` (another ASGI server), read by read."""
         trace = self.trace
         fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
         events = EventRelay(fix)
@@ -603,6 +608,9 @@ class Relay:
                     await client.end_events(ready)
                     break
                 await client.write(ready)
+                if client.pours:
+                    await self._pour(client, answer, events)
+                    break
             data = await answer.next_chunk()
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
@@ -611,6 +619,19 @@ class Relay:
         # client has its whole answer: an engine failing now costs only the connection.
         with contextlib.suppress(UpstreamError):
             await answer.read()
+
+    async def _pour(self, client: ClientStream, answer: Response, events: EventRelay) -> None:
+        """The rest of the stream, poured to the client; its last events (``[DONE]``) go
+        out through ``send``, which ends the response."""
+        pour = _Pour(self, client, answer, events)
+        try:
+            await answer.pipe(pour.feed)
+        finally:
+            client.when_writable(None)
+        if pour.error is not None:
+            raise UpstreamError(f"{answer.url}: {pour.error}")
+        if events.done:
+            await client.end_events(pour.last)
 
     async def _relay_json(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
@@ -623,6 +644,52 @@ class Relay:
         trace = self.trace
         fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
         await client.respond(200, with_usage_fixed(raw, document, fix))
+
+
+class _Pour:
+    """The sink of a poured stream (``Response.pipe``): each read of the engine's bytes,
+    cut at event boundaries and with its usage fixed (``EventRelay``), written to the client
+    (``ClientStream.pour``) from the engine connection's callback. A full client holds the
+    engine back until it takes writes again; a client gone or a request failed from outside
+    takes nothing more (the relay is being cancelled)."""
+
+    __slots__ = ("_relay", "_client", "_answer", "_events", "last", "error")
+
+    def __init__(
+        self, relay: Relay, client: ClientStream, answer: Response, events: EventRelay
+    ) -> None:
+        self._relay = relay
+        self._client = client
+        self._answer = answer
+        self._events = events
+        # The events that end the stream, with ``[DONE]``: ``send`` ends the response with them.
+        self.last = b""
+        # The engine's bytes were not events (``EventRelay.feed``).
+        self.error: ValueError | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """True: no more (the stream's end, an error, or the request is over)."""
+        relay = self._relay
+        if relay.client_gone or relay._failure is not None:
+            return True
+        events = self._events
+        try:
+            ready = events.feed(data)
+        except ValueError as exc:
+            self.error = exc
+            return True
+        if not ready:
+            return False
+        trace = relay.trace
+        if trace is not None:
+            trace.events += ready.count(b"\n\n")
+        if events.done:
+            self.last = ready
+            return True
+        if not self._client.pour(ready):
+            self._answer.hold()
+            self._client.when_writable(self._answer.resume)
+        return False
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

@@ -28,6 +28,7 @@ from pd_router.engines.connection import (
     EngineConnection,
     ProtocolViolation,
     ReadTimeout,
+    Sink,
     TlsRefused,
 )
 from pd_router.errors import Evidence, LoopDetected, UpstreamError, engine_message
@@ -146,6 +147,23 @@ class Response:
             return await self._conn.next_body(self._read_timeout)
         except _LOST as exc:
             raise _failure(self.url, "stream broken", exc) from None
+
+    async def pipe(self, sink: Sink) -> None:
+        """The rest of the answer, poured into ``sink`` from the connection's callback as it
+        arrives (``EngineConnection.pipe``): no wake-up of the caller per read. Returns once
+        ``sink`` returned True or the answer ended; errors as ``next_chunk``'s."""
+        try:
+            await self._conn.pipe(sink, self._read_timeout)
+        except _LOST as exc:
+            raise _failure(self.url, "stream broken", exc) from None
+
+    def hold(self) -> None:
+        """Stop reading the engine until ``resume`` (the sink's client is full)."""
+        self._conn.hold()
+
+    def resume(self) -> None:
+        if not self._released:  # else the connection may serve another request now
+            self._conn.resume()
 
     async def error(self) -> UpstreamError:
         """The engine's non-200 answer as an error carrying its status and message.

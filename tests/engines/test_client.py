@@ -999,6 +999,96 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
     assert [len(conn.requests) for conn in engine.connections] == [2]
 
 
+async def test_a_piped_answer_held_by_its_sink_stops_the_engine_and_never_times_out() -> None:
+    # The relay pours a stream to its client from the connection's callback (``pipe``); a
+    # client that does not read makes the sink hold the engine back, as a consumer that does
+    # not read does above, and the wait is its client's: no read timeout, not "awaiting".
+    total = 8 << 20
+    payload = random.Random(8).randbytes(total)
+    written = 0
+    stalled = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        nonlocal written
+        await conn.request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        while written < total:
+            conn.writer.write(payload[written : written + (64 << 10)])
+            written = min(total, written + (64 << 10))
+            drain = asyncio.ensure_future(conn.writer.drain())
+            done, _ = await asyncio.wait({drain}, timeout=0.2)
+            if not done:
+                stalled.set()
+                await drain
+        await serve_ok(conn)
+
+    async with scripted_engine(handler) as engine, engine_client(read_timeout=0.3) as client:
+        url = engine.url + "/v1/completions"
+        with await client.post(url, {}, "r") as response:
+            poured: list[bytes] = []
+
+            def sink(data: bytes) -> bool:
+                poured.append(data)
+                if len(poured) == 1:
+                    response.hold()
+                return False
+
+            piping = asyncio.ensure_future(response.pipe(sink))
+            await within(stalled.wait(), 1.5)
+            conn = response._conn
+            assert conn._transport is not None and not conn._transport.is_reading()
+            assert not response.awaiting, "held by its own client: not the engine's silence"
+            assert written < total
+            taken = len(poured)
+            await asyncio.sleep(0.7)  # more than two read timeouts
+            assert not piping.done(), "no read timeout while the sink holds the engine"
+            assert len(poured) == taken
+            response.resume()
+            await within(piping, 10)
+        assert b"".join(poured) == payload
+        # Every read of a round of the loop comes in one piece: far fewer than 64 KiB reads.
+        assert len(poured) < total // (64 << 10)
+        await post_ok(client, url, "again")
+
+    assert [len(conn.requests) for conn in engine.connections] == [2]
+
+
+async def test_a_pipe_gets_every_byte_before_the_error_and_stops_when_its_sink_says() -> None:
+    events = [b"data: %d\n\n" % index for index in range(5)]
+
+    async def breaks(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD + b"".join(chunk(event) for event in events[:3]))
+        conn.writer.transport.abort()
+
+    async def ends(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD + b"".join(chunk(event) for event in events))
+        await conn.send(LAST_CHUNK)
+        await conn.until_gone()
+
+    async with scripted_engine(breaks) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            poured: list[bytes] = []
+            with pytest.raises(UpstreamError) as raised:
+                await within(response.pipe(lambda data: poured.append(data) is not None), 5)
+        assert b"".join(poured) == b"".join(events[:3])
+        assert raised.value.kind == "broken_stream"
+
+    async with scripted_engine(ends) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            poured = []
+
+            def until_two(data: bytes) -> bool:
+                poured.append(data)
+                return b"data: 1" in b"".join(poured)
+
+            await within(response.pipe(until_two), 5)
+            # The sink said stop: the rest stays with the connection, read as before.
+            rest = await within(response.read(), 5)
+        assert b"".join(poured) + rest == b"".join(events)
+
+
 async def test_engine_connections_set_tcp_nodelay() -> None:
     async with scripted_engine(serve_ok) as engine, engine_client() as client:
         with await client.post(engine.url + "/v1/completions", {}, "r") as response:
