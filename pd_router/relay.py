@@ -548,7 +548,10 @@ class Relay:
         """One request to ``node`` at ``url``, with ``headers`` besides those every request
         has; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(url, body, self.request_id, self.via, headers)
+            # Every answer's body is read next: one wake-up for its head and first bytes.
+            answer = await self.router.upstream.post(
+                url, body, self.request_id, self.via, headers, first_bytes=True
+            )
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)

@@ -262,16 +262,24 @@ class Upstream:
         self._idle.clear()
 
     async def post(
-        self, url: str, body: Any, request_id: str, via: bytes = b"", headers: bytes = b""
+        self,
+        url: str,
+        body: Any,
+        request_id: str,
+        via: bytes = b"",
+        headers: bytes = b"",
+        *,
+        first_bytes: bool = False,
     ) -> Response:
-        """POST ``body`` as JSON; returns once the engine's status and headers are in.
+        """POST ``body`` as JSON; returns once the engine's status and headers are in, and
+        with ``first_bytes`` a 200's first body bytes too (``EngineConnection.head``).
         ``via``: the routers the request passed through, this one included (``edge/hops.py``);
         ``headers``: more header lines (each ending in CRLF), the trace context's.
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
         head = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via) + headers
-        return await self._request(url, b"POST", orjson.dumps(body), head)
+        return await self._request(url, b"POST", orjson.dumps(body), head, first_bytes)
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
@@ -330,7 +338,12 @@ class Upstream:
             raise UpstreamError(f"{url}: answer is not JSON") from None
 
     async def _request(
-        self, url: str, method: bytes, body: bytes = b"", headers: bytes = b""
+        self,
+        url: str,
+        method: bytes,
+        body: bytes = b"",
+        headers: bytes = b"",
+        first_bytes: bool = False,
     ) -> Response:
         where = target(url)
         head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s%s" % (
@@ -346,7 +359,7 @@ class Upstream:
         conn = self._pooled(where.origin) or await self._connect(url, where.origin)
         try:
             conn.send(request)
-            status = await conn.head(self.read_timeout)
+            status = await conn.head(self.read_timeout, first_bytes)
         except BaseException as exc:
             conn.close()
             if isinstance(exc, _LOST):

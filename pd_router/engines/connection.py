@@ -84,6 +84,8 @@ class EngineConnection(asyncio.Protocol):
         # Body bytes received over the connection's life (progress, for the stall watch).
         self.received = 0
         self._paused = False
+        # ``head(first_bytes=True)`` waits: a 200's head alone does not wake it.
+        self._first_bytes = False
         # ``pipe``'s sink while it pours; and whether it holds the engine back (``hold``).
         self._sink: Sink | None = None
         self._pouring: asyncio.Handle | None = None
@@ -177,7 +179,11 @@ class EngineConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self.head_done = self._answered = True
-        self._wake()
+        if self._first_bytes and self.status == 200:
+            # Not woken for the head alone; the read timeout runs from it all the same.
+            self._deadline = self._loop.time() + self._timeout
+        else:
+            self._wake()
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
@@ -225,10 +231,23 @@ class EngineConnection(asyncio.Protocol):
         self._head_room = MAX_HEAD
         self._transport.write(request)
 
-    async def head(self, timeout: float) -> int:
-        """The answer's status code, once its head is in."""
-        while not self.head_done:
-            await self._wait(timeout)
+    async def head(self, timeout: float, first_bytes: bool = False) -> int:
+        """The answer's status code, once its head is in; with ``first_bytes``, a 200's
+        once its first body bytes are in too (or it ended, or failed after its head: that
+        is for ``next_body`` to raise, as if the head had been returned alone). Waiting for
+        both at once wakes the waiter once instead of twice."""
+        self._first_bytes = first_bytes
+        try:
+            while not self.head_done or (
+                first_bytes
+                and self.status == 200
+                and not self._body
+                and not self.complete
+                and self.error is None
+            ):
+                await self._wait(timeout)
+        finally:
+            self._first_bytes = False
         return self.status
 
     async def next_body(self, timeout: float) -> bytes:

@@ -1089,6 +1089,43 @@ async def test_a_pipe_gets_every_byte_before_the_error_and_stops_when_its_sink_s
         assert b"".join(poured) + rest == b"".join(events)
 
 
+async def test_first_bytes_come_with_the_head_and_the_read_timeout_runs_from_each() -> None:
+    # The relay asks for a 200's head and first body bytes in one wait. Each gap here is
+    # under the read timeout, the whole wait over it: no timeout, and the answer whole.
+    async def slow(conn: Conn) -> None:
+        await conn.request()
+        await asyncio.sleep(0.6)
+        await conn.send(CHUNKED_HEAD)
+        await asyncio.sleep(0.6)
+        await conn.send(chunk(b"data: 1\n\n") + LAST_CHUNK)
+        await conn.until_gone()
+
+    async def head_then_gone(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD)
+        conn.writer.transport.abort()
+
+    async with scripted_engine(slow) as engine, engine_client(read_timeout=1.0) as client:
+        url = engine.url + "/v1/completions"
+        started = time.monotonic()
+        with await within(client.post(url, {}, "r", first_bytes=True), 5) as response:
+            assert (
+                time.monotonic() - started >= 1.2
+            ), "returned before its first bytes (a read timeout run from the request?)"
+            assert response.status == 200
+            assert await response.next_chunk() == b"data: 1\n\n"
+            assert await response.next_chunk() == b""
+
+    async with scripted_engine(head_then_gone) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        # A failure after the head is the stream's, as when the head came back alone.
+        with await within(client.post(url, {}, "r", first_bytes=True), 5) as response:
+            assert response.status == 200
+            with pytest.raises(UpstreamError) as raised:
+                await within(response.next_chunk(), 5)
+        assert "stream broken" in raised.value.message
+
+
 async def test_engine_connections_set_tcp_nodelay() -> None:
     async with scripted_engine(serve_ok) as engine, engine_client() as client:
         with await client.post(engine.url + "/v1/completions", {}, "r") as response:
