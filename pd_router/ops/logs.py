@@ -68,7 +68,11 @@ def request_finished(fields: dict[str, Any]) -> None:
         template = _templates.get(keys)
         if template is None:
             template = _templates[keys] = " ".join(f"{key}=%s" for key in keys)
-        text = template % tuple(map(_shown, fields.values()))
+        text = template % tuple(fields.values())
+        if text.count(" ") != len(keys) - 1 or not text.isprintable():
+            # Some value has a space or a character that is not printable: each is quoted
+            # where it needs to be. Else none would be, and the text stands as it is.
+            text = template % tuple(map(_shown, fields.values()))
         if not _written_directly(text, fields):
             access.info("request %s", text, extra={"fields": fields})
 
