@@ -185,6 +185,17 @@ class ClientProtocol(HttpToolsProtocol):
             _departure(cycle.scope).left(self.loop.time())
 
     def data_received(self, data: bytes) -> None:
+        self._receive(data)
+        # A message still coming in once this read is parsed is timed from now; most come
+        # whole in one read (head and body), and need no timer at all.
+        if self._timer is None and self._phase in ("head", "body"):
+            if not self.transport.is_closing():
+                if self._phase == "head":
+                    self._watch(self.limits.header_timeout)
+                else:
+                    self._watch(self.limits.body_timeout, count=False)
+
+    def _receive(self, data: bytes) -> None:
         while data and self._phase != "closing" and not self.transport.is_closing():
             if self._phase == "body":
                 super().data_received(data)
@@ -203,14 +214,17 @@ class ClientProtocol(HttpToolsProtocol):
             super().data_received(part)
 
     def on_message_begin(self) -> None:
+        # A connection's first head is timed from the accept, the others from this read
+        # (``data_received``).
         self._phase = "head"
         super().on_message_begin()
-        if self._timer is None:  # a connection's first head is timed from the accept
-            self._watch(self.limits.header_timeout)
 
     def on_headers_complete(self) -> None:
         self._phase = "body"
-        self._watch(self.limits.body_timeout)
+        # The body's window starts with it; its timer, if the body does not end in this
+        # read, at the read's end (``data_received``).
+        self._unwatch()
+        self._got = 0
         previous = self.cycle
         # ASGI types an extension as a dict; these are the router's, read by its relay.
         departure = Departure()
@@ -247,9 +261,11 @@ class ClientProtocol(HttpToolsProtocol):
         else:
             super().shutdown()
 
-    def _watch(self, seconds: float) -> None:
+    def _watch(self, seconds: float, count: bool = True) -> None:
+        """``count``: a new window of body bytes (else the bytes of this read stay in it)."""
         self._unwatch()
-        self._got = 0
+        if count:
+            self._got = 0
         if seconds > 0:
             self._timer = self.loop.call_later(seconds, self._expired, seconds)
 
