@@ -535,7 +535,10 @@ class Relay:
         taking the KV: the prefill engine pins the KV as it answers, and only a decode
         engine's pull frees it before its lease runs out. A client that left gives the
         engines ``handoff_grace`` (``_watch``); ``fail`` cancels at once."""
-        with anyio.CancelScope(shield=True) as guard:
+        # The running backend's own scope class, as the request's scope is one: making an
+        # ``anyio.CancelScope`` asks which backend runs (sniffio) every time, half its cost.
+        kind = anyio.CancelScope if self._scope is None else type(self._scope)
+        with kind(shield=True) as guard:
             self._handoff = guard
             if self.client_gone:
                 guard.deadline = anyio.current_time() + self.router.settings.handoff_grace
