@@ -80,6 +80,10 @@ class EngineConnection(asyncio.Protocol):
         self._timeout = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
+        # httptools' body callback: the list's own append, no Python frame per chunk (an
+        # engine's stream is a chunk per token). What a read added is counted, and told,
+        # once the read is parsed (``data_received``).
+        self.on_body = self._body.append
         self._buffered = 0
         # Body bytes received over the connection's life (progress, for the stall watch).
         self.received = 0
@@ -121,6 +125,8 @@ class EngineConnection(asyncio.Protocol):
         if not self._expecting:
             self._lose(ProtocolViolation("the engine sent bytes nobody asked for"))
             return
+        body = self._body
+        pieces = len(body)
         try:
             if not self.head_done:
                 # Only the head's allowance reaches the parser; what follows the head in
@@ -137,10 +143,24 @@ class EngineConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._lose(ProtocolViolation(f"invalid HTTP from the engine: {exc}"))
-        if self._sink is not None and self._body and self._pouring is None:
-            # Poured once the loop has done this round's reads (the loop reads a socket
-            # until it is empty): what they brought goes on in one piece.
-            self._pouring = self._loop.call_soon(self._pour_soon)
+        if len(body) > pieces:
+            self._took(body, pieces)
+
+    def _took(self, body: list[bytes], pieces: int) -> None:
+        """The body pieces from ``pieces`` on came with the last read."""
+        size = len(body[-1]) if len(body) == pieces + 1 else sum(map(len, body[pieces:]))
+        self.received += size
+        if self._sink is not None:
+            if self._pouring is None:
+                # Poured once the loop has done this round's reads (the loop reads a
+                # socket until it is empty): what they brought goes on in one piece.
+                self._pouring = self._loop.call_soon(self._pour_soon)
+            return
+        self._buffered += size
+        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -173,7 +193,8 @@ class EngineConnection(asyncio.Protocol):
             raise ProtocolViolation("the engine sent bytes nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        # The length first: most headers are neither.
+        if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self._framed = True
 
     def on_headers_complete(self) -> None:
@@ -184,17 +205,6 @@ class EngineConnection(asyncio.Protocol):
             self._deadline = self._loop.time() + self._timeout
         else:
             self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        self._buffered += len(body)
-        self.received += len(body)
-        if self._sink is not None:
-            return  # poured when the whole read is parsed (``data_received``)
-        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
