@@ -613,10 +613,10 @@ class Relay:
                     # SDK) hang up as soon as they see it.
                     await client.end_events(ready)
                     break
-                await client.write(ready)
                 if client.pours:
-                    await self._pour(client, answer, events)
+                    await self._pour(client, answer, events, ready)
                     break
+                await client.write(ready)
             data = await answer.next_chunk()
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
@@ -626,11 +626,14 @@ class Relay:
         with contextlib.suppress(UpstreamError):
             await answer.read()
 
-    async def _pour(self, client: ClientStream, answer: Response, events: EventRelay) -> None:
-        """The rest of the stream, poured to the client; its last events (``[DONE]``) go
-        out through ``send``, which ends the response."""
+    async def _pour(
+        self, client: ClientStream, answer: Response, events: EventRelay, ready: bytes
+    ) -> None:
+        """``ready``, then the rest of the stream, poured to the client; its last events
+        (``[DONE]``) go out through ``send``, which ends the response."""
         pour = _Pour(self, client, answer, events)
         try:
+            pour.write(ready)
             await answer.pipe(pour.feed)
         finally:
             client.when_writable(None)
@@ -692,10 +695,13 @@ class _Pour:
         if events.done:
             self.last = ready
             return True
+        self.write(ready)
+        return False
+
+    def write(self, ready: bytes) -> None:
         if not self._client.pour(ready):
             self._answer.hold()
             self._client.when_writable(self._answer.resume)
-        return False
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

@@ -81,13 +81,16 @@ class ClientStream:
 
     @property
     def pours(self) -> bool:
-        """``pour`` may be used now: events started and not ended, and a wire to write on."""
+        """``pour`` may be used now: events started (``start_events``: the head waits for
+        the first bytes, ``edge/protocol.py``) and not ended, and a wire to write on."""
         return self._wire is not None and self.started and not self.finished
 
     def pour(self, data: bytes) -> bool:
         """``write``, synchronously (when ``pours``): whether the client takes more now; if
         not, ``when_writable``'s callback is called once it does."""
         assert self._wire is not None  # nosec B101: ``pours`` says so
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
         self.bytes_sent += len(data)
         return self._wire.write(data)
 
