@@ -107,7 +107,6 @@ class EngineConnection(asyncio.Protocol):
         self._answered = False
         # Set by the pool while the connection is idle in it: called if the peer closes.
         self.idle_since = 0.0
-        self.idle_timer: asyncio.TimerHandle | None = None
         self.on_lost: Callable[[EngineConnection], None] | None = None
 
     # ------------------------------------------------------------------ asyncio protocol

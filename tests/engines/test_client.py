@@ -503,6 +503,24 @@ async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_f
         await until(lambda: idle(client) == [])
 
 
+@pytest.mark.usefixtures("short_keepalive")
+async def test_connections_idle_since_different_times_are_each_closed_in_their_turn() -> None:
+    # One timer closes the idle connections: armed for the oldest, then for the next one.
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        first = await client.post(url, {}, "a")
+        second = await client.post(url, {}, "b")  # the first is not idle: a connection more
+        assert await first.read() == b"ok"
+        first.close()
+        await asyncio.sleep(0.03)
+        assert await second.read() == b"ok"
+        second.close()
+        assert len(idle(client)) == 2
+        await within(engine.connections[0].gone.wait())
+        await within(engine.connections[1].gone.wait())
+        await until(lambda: idle(client) == [])
+
+
 async def test_an_answer_saying_connection_close_is_not_pooled() -> None:
     async def handler(conn: Conn) -> None:
         await conn.request()
