@@ -24,6 +24,10 @@ Cancellation contract:
   the KV; one not answered in time is closed, and the engine aborts.
 * ``fail(error)`` (a node died, an operator aborted, shutdown ran out of time) cancels the
   relay from outside, shield included; ``error`` becomes the client's terminal outcome.
+* A started stream is poured: the engine's events go to the client from the engine
+  connection's callback while the relay waits for the stream's end (``_Pour``). A client
+  gone or a ``fail`` stops the pour at once, before the cancellation reaches the relay:
+  nothing more is written, then the terminal outcome as above.
 """
 
 from __future__ import annotations
