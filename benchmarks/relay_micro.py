@@ -60,7 +60,7 @@ class Answer:
         return chunk
 
 class Engines:
-    async def post(self, url, body, request_id, *args):
+    async def post(self, url, body, request_id, *args, **kwargs):
         if url.startswith("http://prefill"):
             return Answer(url, PREFILL)
         return Answer(url, STREAM if body.get("stream") else ANSWER)

@@ -113,7 +113,8 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("prefill call", ("Relay._prefill_on ", "Relay._prefill ")),
     ("hand-off (decode request)", ("Relay._handoff_to ", "Relay._decode ")),
-    ("relay events", ("Relay._relay_events ", "(pd_router/engines/sse.py")),
+    # Poured events are written from the engine connection's callback (``_Pour.feed``).
+    ("relay events", ("Relay._relay_events ", "_Pour.feed ", "(pd_router/engines/sse.py")),
     ("disconnect watcher", ("Relay._watch ", "_spawn_watcher ")),
     (
         "request head, body read, relay set-up",

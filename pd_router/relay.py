@@ -24,6 +24,10 @@ Cancellation contract:
   the KV; one not answered in time is closed, and the engine aborts.
 * ``fail(error)`` (a node died, an operator aborted, shutdown ran out of time) cancels the
   relay from outside, shield included; ``error`` becomes the client's terminal outcome.
+* A started stream is poured: the engine's events go to the client from the engine
+  connection's callback while the relay waits for the stream's end (``_Pour``). A client
+  gone or a ``fail`` stops the pour at once, before the cancellation reaches the relay:
+  nothing more is written, then the terminal outcome as above.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.keyfile import KeyFile
-from pd_router.edge.protocol import DEPARTURE, Departure
+from pd_router.edge.protocol import DEPARTURE, WIRE, Departure
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
@@ -180,9 +184,10 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
-        client.attach(send)
+        extensions = scope.get("extensions") or {}
+        client.attach(send, extensions.get(WIRE))
         error: RouterError | None = None
-        departure: Departure | None = scope.get("extensions", {}).get(DEPARTURE)
+        departure: Departure | None = extensions.get(DEPARTURE)
         try:
             with anyio.CancelScope() as self._scope:
                 if departure is None:
@@ -534,7 +539,10 @@ class Relay:
         taking the KV: the prefill engine pins the KV as it answers, and only a decode
         engine's pull frees it before its lease runs out. A client that left gives the
         engines ``handoff_grace`` (``_watch``); ``fail`` cancels at once."""
-        with anyio.CancelScope(shield=True) as guard:
+        # The running backend's own scope class, as the request's scope is one: making an
+        # ``anyio.CancelScope`` asks which backend runs (sniffio) every time, half its cost.
+        kind = anyio.CancelScope if self._scope is None else type(self._scope)
+        with kind(shield=True) as guard:
             self._handoff = guard
             if self.client_gone:
                 guard.deadline = anyio.current_time() + self.router.settings.handoff_grace
@@ -547,7 +555,10 @@ class Relay:
         """One request to ``node`` at ``url``, with ``headers`` besides those every request
         has; the answer is closed when the request ends, if not before."""
         try:
-            answer = await self.router.upstream.post(url, body, self.request_id, self.via, headers)
+            # Every answer's body is read next: one wake-up for its head and first bytes.
+            answer = await self.router.upstream.post(
+                url, body, self.request_id, self.via, headers, first_bytes=True
+            )
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
         self._open.append(answer)
@@ -579,7 +590,11 @@ class Relay:
         prefilled: handshake.Prefilled,
         data: bytes,
     ) -> None:
-        """Stream the answer, starting with ``data``, its bytes read in the hand-off."""
+        """Stream the answer, starting with ``data``, its bytes read in the hand-off.
+
+        Once the client's response has begun, the rest is poured: passed on from the engine
+        connection's callback as each read arrives (``_Pour``), the relay waking only at
+        the end of the stream; without a ``Wire`` (another ASGI server), read by read."""
         trace = self.trace
         fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
         events = EventRelay(fix)
@@ -602,6 +617,9 @@ class Relay:
                     # SDK) hang up as soon as they see it.
                     await client.end_events(ready)
                     break
+                if client.pours:
+                    await self._pour(client, answer, events, ready)
+                    break
                 await client.write(ready)
             data = await answer.next_chunk()
         if not events.done:
@@ -611,6 +629,22 @@ class Relay:
         # client has its whole answer: an engine failing now costs only the connection.
         with contextlib.suppress(UpstreamError):
             await answer.read()
+
+    async def _pour(
+        self, client: ClientStream, answer: Response, events: EventRelay, ready: bytes
+    ) -> None:
+        """``ready``, then the rest of the stream, poured to the client; its last events
+        (``[DONE]``) go out through ``send``, which ends the response."""
+        pour = _Pour(self, client, answer, events)
+        try:
+            pour.write(ready)
+            await answer.pipe(pour.feed)
+        finally:
+            client.when_writable(None)
+        if pour.error is not None:
+            raise UpstreamError(f"{answer.url}: {pour.error}")
+        if events.done:
+            await client.end_events(pour.last)
 
     async def _relay_json(
         self, client: ClientStream, answer: Response, prefilled: handshake.Prefilled
@@ -623,6 +657,55 @@ class Relay:
         trace = self.trace
         fix = prefilled.fix_usage if trace is None else trace.watching(prefilled.fix_usage)
         await client.respond(200, with_usage_fixed(raw, document, fix))
+
+
+class _Pour:
+    """The sink of a poured stream (``Response.pipe``): each read of the engine's bytes,
+    cut at event boundaries and with its usage fixed (``EventRelay``), written to the client
+    (``ClientStream.pour``) from the engine connection's callback. A full client holds the
+    engine back until it takes writes again; a client gone or a request failed from outside
+    takes nothing more (the relay is being cancelled)."""
+
+    __slots__ = ("_relay", "_client", "_answer", "_events", "last", "error")
+
+    def __init__(
+        self, relay: Relay, client: ClientStream, answer: Response, events: EventRelay
+    ) -> None:
+        self._relay = relay
+        self._client = client
+        self._answer = answer
+        self._events = events
+        # The events that end the stream, with ``[DONE]``: ``send`` ends the response with them.
+        self.last = b""
+        # The engine's bytes were not events (``EventRelay.feed``).
+        self.error: ValueError | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """True: no more (the stream's end, an error, or the request is over)."""
+        relay = self._relay
+        if relay.client_gone or relay._failure is not None:
+            return True
+        events = self._events
+        try:
+            ready = events.feed(data)
+        except ValueError as exc:
+            self.error = exc
+            return True
+        if not ready:
+            return False
+        trace = relay.trace
+        if trace is not None:
+            trace.events += ready.count(b"\n\n")
+        if events.done:
+            self.last = ready
+            return True
+        self.write(ready)
+        return False
+
+    def write(self, ready: bytes) -> None:
+        if not self._client.pour(ready):
+            self._answer.hold()
+            self._client.when_writable(self._answer.resume)
 
 
 def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receive: Receive) -> None:

@@ -77,7 +77,14 @@ class ScriptedUpstream:
         self.unreachable: dict[str, UpstreamError] = {}
 
     async def post(
-        self, url: str, body: Any, request_id: str, via: bytes = b"", headers: bytes = b""
+        self,
+        url: str,
+        body: Any,
+        request_id: str,
+        via: bytes = b"",
+        headers: bytes = b"",
+        *,
+        first_bytes: bool = False,
     ) -> ScriptedResponse:
         self.sent.append((url, body))
         error = self.unreachable.get(url.split("/v1")[0])

@@ -28,6 +28,11 @@ A request's scope carries a ``Departure`` (``scope["extensions"][DEPARTURE]``): 
 synchronously when the client leaves before its response is complete, so the app needs no
 task reading ``receive()`` for the ``http.disconnect`` to learn it.
 
+A request's scope also carries a ``Wire`` (``scope["extensions"][WIRE]``): the body of a
+started chunked response written straight to the client's transport, from any callback,
+with the bytes uvicorn's ``send`` would write, and a signal when the client's transport is
+full and when it takes writes again (uvicorn's flow control).
+
 A response's status line and headers go out in one write with its first body bytes
 (``HeadWithBody``): one syscall, and one TCP segment for the client to wake up for, fewer
 per request; a head with no body right behind it goes out when the event loop's current
@@ -52,6 +57,7 @@ from typing import Any, Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pd_router.errors import (
@@ -96,8 +102,9 @@ REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connect
 
 Phase = Literal["idle", "head", "body", "closing"]
 
-# The scope extension under which a request's ``Departure`` is.
+# The scope extensions under which a request's ``Departure`` and ``Wire`` are.
 DEPARTURE = "pd_router.departure"
+WIRE = "pd_router.wire"
 
 
 def default_max_connections() -> int:
@@ -141,6 +148,7 @@ class ClientStats(Collector):
 class ClientProtocol(HttpToolsProtocol):
     limits: ClientLimits
     stats: ClientStats
+    _flow: Flow
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,6 +163,7 @@ class ClientProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = self._flow = Flow(transport)
         self.stats.open += 1
         cap = self.limits.max_connections
         if self.stats.open > cap + CONTROL_CONNECTIONS:
@@ -176,6 +185,17 @@ class ClientProtocol(HttpToolsProtocol):
             _departure(cycle.scope).left(self.loop.time())
 
     def data_received(self, data: bytes) -> None:
+        self._receive(data)
+        # A message still coming in once this read is parsed is timed from now; most come
+        # whole in one read (head and body), and need no timer at all.
+        if self._timer is None and self._phase in ("head", "body"):
+            if not self.transport.is_closing():
+                if self._phase == "head":
+                    self._watch(self.limits.header_timeout)
+                else:
+                    self._watch(self.limits.body_timeout, count=False)
+
+    def _receive(self, data: bytes) -> None:
         while data and self._phase != "closing" and not self.transport.is_closing():
             if self._phase == "body":
                 super().data_received(data)
@@ -194,21 +214,27 @@ class ClientProtocol(HttpToolsProtocol):
             super().data_received(part)
 
     def on_message_begin(self) -> None:
+        # A connection's first head is timed from the accept, the others from this read
+        # (``data_received``).
         self._phase = "head"
         super().on_message_begin()
-        if self._timer is None:  # a connection's first head is timed from the accept
-            self._watch(self.limits.header_timeout)
 
     def on_headers_complete(self) -> None:
         self._phase = "body"
-        self._watch(self.limits.body_timeout)
+        # The body's window starts with it; its timer, if the body does not end in this
+        # read, at the read's end (``data_received``).
+        self._unwatch()
+        self._got = 0
         previous = self.cycle
-        # ASGI types an extension as a dict; this one is the router's, read by its relay.
-        self.scope["extensions"] = {DEPARTURE: Departure()}  # type: ignore[dict-item]
+        # ASGI types an extension as a dict; these are the router's, read by its relay.
+        departure = Departure()
+        extensions: dict[str, Any] = {DEPARTURE: departure}
+        self.scope["extensions"] = extensions
         super().on_headers_complete()
         if self.cycle is not previous:  # not an upgrade: a request to answer
             held = HeadWithBody(self.transport, self.loop)
             self.cycle.transport = held  # type: ignore[assignment]
+            extensions[WIRE] = Wire(held, self._flow, departure)
 
     def on_body(self, body: bytes) -> None:
         self._got += len(body)
@@ -235,9 +261,11 @@ class ClientProtocol(HttpToolsProtocol):
         else:
             super().shutdown()
 
-    def _watch(self, seconds: float) -> None:
+    def _watch(self, seconds: float, count: bool = True) -> None:
+        """``count``: a new window of body bytes (else the bytes of this read stay in it)."""
         self._unwatch()
-        self._got = 0
+        if count:
+            self._got = 0
         if seconds > 0:
             self._timer = self.loop.call_later(seconds, self._expired, seconds)
 
@@ -324,6 +352,52 @@ class Departure:
         callback, self._callback = self._callback, None
         if callback is not None:
             callback(self.at)
+
+
+class Flow(FlowControl):
+    """uvicorn's flow control, which also tells one waiter when the client's transport
+    takes writes again (``Wire.when_writable``)."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(transport)
+        self.on_writable: Callable[[], None] | None = None
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        callback, self.on_writable = self.on_writable, None
+        if callback is not None:
+            callback()
+
+
+class Wire:
+    """The body of one chunked response, written straight to the client's transport.
+
+    ``write`` writes what uvicorn's ``send`` writes for an ``http.response.body`` message
+    with more to come (one chunk), without a coroutine, a message or a task: a caller can
+    relay from another connection's callback. Only between the response's start and its
+    end, both sent through ``send`` (which keeps uvicorn's own account of the response).
+    No reference to the request's cycle or scope: it lives in the scope."""
+
+    __slots__ = ("_transport", "_flow", "_departure")
+
+    def __init__(self, transport: HeadWithBody, flow: Flow, departure: Departure) -> None:
+        self._transport = transport
+        self._flow = flow
+        self._departure = departure
+
+    def write(self, data: bytes) -> bool:
+        """Whether the client's transport takes more now: False once its buffer is over
+        its high-water mark (uvicorn's ``send`` would wait for it to drain)."""
+        transport = self._transport
+        if self._departure.at is not None or transport.is_closing():
+            return True  # the client left (or was sent away): its request is told
+        transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        return not self._flow.write_paused
+
+    def when_writable(self, callback: Callable[[], None] | None) -> None:
+        """``callback`` is called once the client's transport takes writes again (or the
+        connection is lost); None: nobody waits any more."""
+        self._flow.on_writable = callback
 
 
 def _departure(scope: Any) -> Departure:

@@ -2,16 +2,22 @@
 
 An error before the headers went out is a JSON body with its status; after, it is one SSE
 error event then ``[DONE]``. Either way the client gets exactly one terminal outcome.
+
+Events go out through the ASGI ``send``, or, once the response has started, through the
+router's client protocol's ``Wire`` when it has one (``pour``): synchronously, from any
+callback, for the relay to pass an engine's bytes on without waking its task.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from starlette.types import Message, Send
 
+from pd_router.edge.protocol import Wire
 from pd_router.errors import RouterError
 
 SSE_HEADERS = [
@@ -42,6 +48,7 @@ async def _unattached(message: Message) -> None:
 class ClientStream:
     def __init__(self, request_id: str) -> None:
         self._send: Send = _unattached
+        self._wire: Wire | None = None
         self._id_header = (b"x-request-id", request_id.encode())
         self.started = False
         self.finished = False
@@ -51,8 +58,10 @@ class ClientStream:
         # perf_counter() when the first byte of the answer went out: the router's TTFT.
         self.first_byte_at: float | None = None
 
-    def attach(self, send: Send) -> None:
+    def attach(self, send: Send, wire: Wire | None = None) -> None:
+        """``wire``: the client protocol's, if it has one (``edge/protocol.py``)."""
         self._send = send
+        self._wire = wire
 
     async def respond(
         self, status: int, body: bytes, headers: dict[str, str] | None = None
@@ -69,6 +78,25 @@ class ClientStream:
 
     async def end_events(self, last: bytes) -> None:
         await self._body(last, more=False)
+
+    @property
+    def pours(self) -> bool:
+        """``pour`` may be used now: events started (``start_events``: the head waits for
+        the first bytes, ``edge/protocol.py``) and not ended, and a wire to write on."""
+        return self._wire is not None and self.started and not self.finished
+
+    def pour(self, data: bytes) -> bool:
+        """``write``, synchronously (when ``pours``): whether the client takes more now; if
+        not, ``when_writable``'s callback is called once it does."""
+        assert self._wire is not None  # nosec B101: ``pours`` says so
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
+        self.bytes_sent += len(data)
+        return self._wire.write(data)
+
+    def when_writable(self, callback: Callable[[], None] | None) -> None:
+        if self._wire is not None:
+            self._wire.when_writable(callback)
 
     @property
     def answered(self) -> bool:

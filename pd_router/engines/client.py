@@ -17,7 +17,8 @@ import errno
 import logging
 import ssl
 import time
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ from pd_router.engines.connection import (
     EngineConnection,
     ProtocolViolation,
     ReadTimeout,
+    Sink,
     TlsRefused,
 )
 from pd_router.errors import Evidence, LoopDetected, UpstreamError, engine_message
@@ -147,6 +149,23 @@ class Response:
         except _LOST as exc:
             raise _failure(self.url, "stream broken", exc) from None
 
+    async def pipe(self, sink: Sink) -> None:
+        """The rest of the answer, poured into ``sink`` from the connection's callback as it
+        arrives (``EngineConnection.pipe``): no wake-up of the caller per read. Returns once
+        ``sink`` returned True or the answer ended; errors as ``next_chunk``'s."""
+        try:
+            await self._conn.pipe(sink, self._read_timeout)
+        except _LOST as exc:
+            raise _failure(self.url, "stream broken", exc) from None
+
+    def hold(self) -> None:
+        """Stop reading the engine until ``resume`` (the sink's client is full)."""
+        self._conn.hold()
+
+    def resume(self) -> None:
+        if not self._released:  # else the connection may serve another request now
+            self._conn.resume()
+
     async def error(self) -> UpstreamError:
         """The engine's non-200 answer as an error carrying its status and message.
 
@@ -225,8 +244,13 @@ class Upstream:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_response_bytes = max_response_bytes
-        # Per origin, idle connections, most recently used last (a dict is an ordered set).
+        # Per origin, idle connections, most recently used last (a dict is an ordered set),
+        # and what drops one from there when its peer closes it.
         self._idle: dict[Origin, dict[EngineConnection, None]] = {}
+        self._forget: dict[Origin, Callable[[EngineConnection], None]] = {}
+        # Closes the connections idle for too long: one timer, armed while any is idle, and
+        # not one per connection armed and cancelled with every request.
+        self._sweep: asyncio.TimerHandle | None = None
         self._tls = tls
         # Only the router's credentials go to an engine: requests are written here from
         # scratch, and no header of a client's is ever copied into one.
@@ -238,22 +262,33 @@ class Upstream:
         self.mark = b""
 
     async def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for idle in self._idle.values():
             for conn in list(idle):
                 conn.close()
         self._idle.clear()
 
     async def post(
-        self, url: str, body: Any, request_id: str, via: bytes = b"", headers: bytes = b""
+        self,
+        url: str,
+        body: Any,
+        request_id: str,
+        via: bytes = b"",
+        headers: bytes = b"",
+        *,
+        first_bytes: bool = False,
     ) -> Response:
-        """POST ``body`` as JSON; returns once the engine's status and headers are in.
+        """POST ``body`` as JSON; returns once the engine's status and headers are in, and
+        with ``first_bytes`` a 200's first body bytes too (``EngineConnection.head``).
         ``via``: the routers the request passed through, this one included (``edge/hops.py``);
         ``headers``: more header lines (each ending in CRLF), the trace context's.
 
         The caller closes the response (``with``, or ``close()``) when done with it.
         """
         head = b"x-request-id: " + request_id.encode() + b"\r\n" + _via(via) + headers
-        return await self._request(url, b"POST", orjson.dumps(body), head)
+        return await self._request(url, b"POST", orjson.dumps(body), head, first_bytes)
 
     async def probe(self, url: str, timeout: float) -> Failure | None:
         """GET ``url``: None when it answered 200 in time, else what went wrong."""
@@ -312,7 +347,12 @@ class Upstream:
             raise UpstreamError(f"{url}: answer is not JSON") from None
 
     async def _request(
-        self, url: str, method: bytes, body: bytes = b"", headers: bytes = b""
+        self,
+        url: str,
+        method: bytes,
+        body: bytes = b"",
+        headers: bytes = b"",
+        first_bytes: bool = False,
     ) -> Response:
         where = target(url)
         head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s%s" % (
@@ -328,7 +368,7 @@ class Upstream:
         conn = self._pooled(where.origin) or await self._connect(url, where.origin)
         try:
             conn.send(request)
-            status = await conn.head(self.read_timeout)
+            status = await conn.head(self.read_timeout, first_bytes)
         except BaseException as exc:
             conn.close()
             if isinstance(exc, _LOST):
@@ -340,13 +380,35 @@ class Upstream:
         if not conn.reusable:
             conn.close()
             return
-        idle = self._idle.setdefault(origin, {})
+        idle = self._idle.get(origin)
+        if idle is None:
+            idle = self._idle[origin] = {}
+            self._forget[origin] = partial(_forget, idle)
         conn.idle_since = time.monotonic()
-        conn.on_lost = lambda lost: idle.pop(lost, None)
-        # Closed when too old even if no request comes to find it so (which ``_pooled``
-        # also checks, for a loop that ran the timer late).
-        conn.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, conn.close)
+        conn.on_lost = self._forget[origin]
         idle[conn] = None
+        if self._sweep is None:
+            # Closed when too old even if no request comes to find it so (which ``_pooled``
+            # also checks, for a loop that ran the timer late).
+            self._sweep = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS, self._swept)
+
+    def _swept(self) -> None:
+        self._sweep = None
+        now = time.monotonic()
+        too_old = now - KEEPALIVE_SECONDS
+        oldest = now
+        for idle in self._idle.values():
+            for conn in list(idle):  # least recently used first
+                if conn.idle_since >= too_old:
+                    oldest = min(oldest, conn.idle_since)
+                    break
+                del idle[conn]
+                conn.on_lost = None
+                conn.close()
+        if any(self._idle.values()):
+            # A little after the next one is due: a timer may run a hair early.
+            wait = oldest + KEEPALIVE_SECONDS - now + 0.001
+            self._sweep = asyncio.get_running_loop().call_later(wait, self._swept)
 
     def _pooled(self, origin: Origin) -> EngineConnection | None:
         idle = self._idle.get(origin)
@@ -356,9 +418,6 @@ class Upstream:
         while idle:
             conn, _ = idle.popitem()
             conn.on_lost = None
-            if conn.idle_timer is not None:
-                conn.idle_timer.cancel()
-                conn.idle_timer = None
             if conn.idle_since >= too_old and conn.reusable:
                 return conn
             conn.close()
@@ -392,6 +451,10 @@ class Upstream:
         if self._tls is None:
             self._tls = engine_tls()
         return self._tls
+
+
+def _forget(idle: dict[EngineConnection, None], lost: EngineConnection) -> None:
+    idle.pop(lost, None)
 
 
 def _via(marks: bytes) -> bytes:

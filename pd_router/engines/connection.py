@@ -1,8 +1,10 @@
 """One HTTP/1.1 keep-alive connection to an engine: an asyncio protocol around httptools.
 
-Why not a general HTTP client: on the streaming path every engine chunk costs a wake-up of
-the relay and nothing else here. httptools (llhttp, C) parses; the callbacks only append
-bytes and resolve one future; the read timeout is one timer per connection, moved lazily.
+Why not a general HTTP client: on the streaming path the engine's bytes cost a parse and
+little else here. httptools (llhttp, C) parses; the callbacks only append bytes and resolve
+one future; the read timeout is one timer per connection, moved lazily. A consumer can also
+take the body as it arrives, from the connection's own callback (``pipe``): one call per
+read and no wake-up of its task until the answer ends.
 
 States, in order: ``send()`` writes a request; the head arrives (``status``); body chunks
 arrive; the message completes. A connection is reusable only after a complete message the
@@ -23,8 +25,12 @@ import httptools
 from pd_router.errors import fresh
 
 # Engine bytes not yet taken by the relay; above this the socket stops being read, so a
-# slow client slows the engine down (TCP back-pressure) instead of growing our memory.
+# slow client slows the engine down (TCP back-pressure) instead of growing our memory. A
+# body poured into a sink (``pipe``) is never buffered here: the sink's ``hold`` stops it.
 HIGH_WATER = 256 << 10
+
+# Takes the body bytes of one read; returns True when it wants no more of them.
+Sink = Callable[[bytes], bool]
 # An answer's status line and headers, at most: as a client's head (``edge/protocol.py``),
 # httptools takes time quadratic in a header's size (64 MiB held the loop 2.5 s), and an
 # engine's head is a few hundred bytes.
@@ -74,10 +80,20 @@ class EngineConnection(asyncio.Protocol):
         self._timeout = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
+        # httptools' body callback: the list's own append, no Python frame per chunk (an
+        # engine's stream is a chunk per token). What a read added is counted, and told,
+        # once the read is parsed (``data_received``).
+        self.on_body = self._body.append
         self._buffered = 0
         # Body bytes received over the connection's life (progress, for the stall watch).
         self.received = 0
         self._paused = False
+        # ``head(first_bytes=True)`` waits: a 200's head alone does not wake it.
+        self._first_bytes = False
+        # ``pipe``'s sink while it pours; and whether it holds the engine back (``hold``).
+        self._sink: Sink | None = None
+        self._pouring: asyncio.Handle | None = None
+        self._held = False
         self._keep_alive = False
         self._framed = False  # Content-Length or chunked: the end is not the peer closing
         self._expecting = False  # a request is out and its answer has not ended
@@ -91,7 +107,6 @@ class EngineConnection(asyncio.Protocol):
         self._answered = False
         # Set by the pool while the connection is idle in it: called if the peer closes.
         self.idle_since = 0.0
-        self.idle_timer: asyncio.TimerHandle | None = None
         self.on_lost: Callable[[EngineConnection], None] | None = None
 
     # ------------------------------------------------------------------ asyncio protocol
@@ -109,6 +124,8 @@ class EngineConnection(asyncio.Protocol):
         if not self._expecting:
             self._lose(ProtocolViolation("the engine sent bytes nobody asked for"))
             return
+        body = self._body
+        pieces = len(body)
         try:
             if not self.head_done:
                 # Only the head's allowance reaches the parser; what follows the head in
@@ -125,6 +142,24 @@ class EngineConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._lose(ProtocolViolation(f"invalid HTTP from the engine: {exc}"))
+        if len(body) > pieces:
+            self._took(body, pieces)
+
+    def _took(self, body: list[bytes], pieces: int) -> None:
+        """The body pieces from ``pieces`` on came with the last read."""
+        size = len(body[-1]) if len(body) == pieces + 1 else sum(map(len, body[pieces:]))
+        self.received += size
+        if self._sink is not None:
+            if self._pouring is None:
+                # Poured once the loop has done this round's reads (the loop reads a
+                # socket until it is empty): what they brought goes on in one piece.
+                self._pouring = self._loop.call_soon(self._pour_soon)
+            return
+        self._buffered += size
+        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -157,22 +192,18 @@ class EngineConnection(asyncio.Protocol):
             raise ProtocolViolation("the engine sent bytes nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        # The length first: most headers are neither.
+        if len(name) in (14, 17) and name.lower() in (b"content-length", b"transfer-encoding"):
             self._framed = True
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self.head_done = self._answered = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        self._buffered += len(body)
-        self.received += len(body)
-        if self._buffered > HIGH_WATER and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
-        self._wake()
+        if self._first_bytes and self.status == 200:
+            # Not woken for the head alone; the read timeout runs from it all the same.
+            self._deadline = self._loop.time() + self._timeout
+        else:
+            self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -194,8 +225,9 @@ class EngineConnection(asyncio.Protocol):
 
     @property
     def awaiting(self) -> bool:
-        """A reader waits for the engine (nothing it could take is buffered)."""
-        return self._waiter is not None
+        """A reader waits for the engine (nothing it could take is buffered, and its sink
+        does not hold the engine back)."""
+        return self._waiter is not None and not self._held
 
     def send(self, request: bytes) -> None:
         """Write one request; the previous answer, if any, was read to its end."""
@@ -208,10 +240,23 @@ class EngineConnection(asyncio.Protocol):
         self._head_room = MAX_HEAD
         self._transport.write(request)
 
-    async def head(self, timeout: float) -> int:
-        """The answer's status code, once its head is in."""
-        while not self.head_done:
-            await self._wait(timeout)
+    async def head(self, timeout: float, first_bytes: bool = False) -> int:
+        """The answer's status code, once its head is in; with ``first_bytes``, a 200's
+        once its first body bytes are in too (or it ended, or failed after its head: that
+        is for ``next_body`` to raise, as if the head had been returned alone). Waiting for
+        both at once wakes the waiter once instead of twice."""
+        self._first_bytes = first_bytes
+        try:
+            while not self.head_done or (
+                first_bytes
+                and self.status == 200
+                and not self._body
+                and not self.complete
+                and self.error is None
+            ):
+                await self._wait(timeout)
+        finally:
+            self._first_bytes = False
         return self.status
 
     async def next_body(self, timeout: float) -> bytes:
@@ -224,10 +269,46 @@ class EngineConnection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self._buffered = 0
-        if self._paused and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
+        self._read_again()
         return data
+
+    async def pipe(self, sink: Sink, timeout: float) -> None:
+        """Pour the body into ``sink`` as it arrives, from the connection's callbacks, until
+        ``sink`` returns True or the answer ends; raises as ``next_body`` does. What one
+        round of the event loop's reads brought goes in one call. The read timeout runs
+        from the last byte, and not while ``sink`` holds the engine back (``hold``)."""
+        self._sink = sink
+        try:
+            self._read_again()
+            while True:
+                # Every byte that arrived before the end or an error goes first.
+                if self._body:
+                    self._pour()
+                if self._sink is None or self.complete:
+                    return
+                await self._wait(timeout)
+        finally:
+            self._sink = None
+            if self._pouring is not None:
+                self._pouring.cancel()
+                self._pouring = None
+            self.resume()
+
+    def hold(self) -> None:
+        """Stop reading the engine (TCP back-pressure) until ``resume``: the sink cannot
+        pass more on now. Its wait is then not the engine's silence."""
+        self._held = True
+        if not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read the engine again after ``hold``."""
+        if not self._held:
+            return
+        self._held = False
+        self._deadline = self._loop.time() + self._timeout
+        self._read_again()
 
     def close(self) -> None:
         """Close now: an engine mid-answer sees the peer go and aborts the request."""
@@ -260,7 +341,10 @@ class EngineConnection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait arms a timer again
-        if self._loop.time() < self._deadline:
+        now = self._loop.time()
+        if self._held:
+            self._deadline = now + self._timeout  # the sink's client is slow, not the engine
+        if now < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._check_deadline)
             return
         self.error = ReadTimeout(f"no byte from the engine for {self._timeout:g} s")
@@ -271,6 +355,28 @@ class EngineConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _read_again(self) -> None:
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def _pour_soon(self) -> None:
+        self._pouring = None
+        if self._sink is not None and self._body:
+            self._pour()
+
+    def _pour(self) -> None:
+        body = self._body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        # A byte came: the read timeout runs from now (the timer moves lazily).
+        self._deadline = self._loop.time() + self._timeout
+        sink = self._sink
+        if sink is not None and sink(data):
+            self._sink = None
+            self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -38,14 +38,19 @@ class TextFormatter(logging.Formatter):
         return escaped(super().formatMessage(record))
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def configure(level: str, fmt: str) -> None:
+    global _direct
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    _direct = handler
     root.setLevel(level.upper())
     # Fields no format here uses, each costing a lookup per record (the logging HOWTO's
     # "Optimization" section); the caller's frame walk alone is a third of a request line.
@@ -63,12 +68,78 @@ def request_finished(fields: dict[str, Any]) -> None:
         template = _templates.get(keys)
         if template is None:
             template = _templates[keys] = " ".join(f"{key}=%s" for key in keys)
-        text = template % tuple(map(_shown, fields.values()))
-        access.info("request %s", text, extra={"fields": fields})
+        text = template % tuple(fields.values())
+        if text.count(" ") != len(keys) - 1 or not text.isprintable():
+            # Some value has a space or a character that is not printable: each is quoted
+            # where it needs to be. Else none would be, and the text stands as it is.
+            text = template % tuple(map(_shown, fields.values()))
+        if not _written_directly(text, fields):
+            access.info("request %s", text, extra={"fields": fields})
 
 
 # The request line's template per tuple of keys: a handful ever (tracing adds a key).
 _templates: dict[tuple[str, ...], str] = {}
+
+# The handler ``configure`` installed. While it is the only one a request line reaches and
+# nothing filters it (``workers.tag_logs`` does, a test's log capture adds a handler), the
+# line is written to its stream here, as its formatter would write it: logging's record,
+# its handler's and its formatter's calls were most of the line's cost.
+_direct: logging.StreamHandler[Any] | None = None
+# The local time of a second, as the text format starts a line with it.
+_second = -1
+_asctime = ""
+
+
+def _written_directly(text: str, fields: dict[str, Any]) -> bool:
+    handler = _direct
+    root = logging.root
+    if handler is None or handler.filters or handler.level > logging.INFO or access.filters:
+        return False
+    logger: logging.Logger | None = access
+    while logger is not None and logger is not root:
+        if logger.handlers or not logger.propagate:
+            return False
+        logger = logger.parent
+    if root.handlers != [handler]:
+        return False
+    created = time.time()
+    if isinstance(handler.formatter, JsonFormatter):
+        line = _json_line(created, text, fields)
+    elif type(handler.formatter) is TextFormatter:
+        line = escaped(f"{_local_time(created)} INFO pd_router.access: request {text}")
+    else:
+        return False
+    handler.acquire()
+    try:
+        handler.stream.write(line + handler.terminator)
+        handler.flush()
+    except Exception:  # as ``StreamHandler.emit``: the handler says it, the request goes on
+        handler.handleError(access.makeRecord(access.name, logging.INFO, "", 0, line, (), None))
+    finally:
+        handler.release()
+    return True
+
+
+def _local_time(created: float) -> str:
+    """``created`` as ``logging.Formatter.formatTime`` writes it by default."""
+    global _second, _asctime
+    second = int(created)
+    if second != _second:
+        _asctime = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        _second = second
+    return "%s,%03d" % (_asctime, (created - second) * 1000)
+
+
+def _json_line(created: float, text: str, fields: dict[str, Any]) -> str:
+    document: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+        + f".{int((created - int(created)) * 1000):03d}Z",
+        "level": "info",
+        "logger": access.name,
+        "message": f"request {text}",
+    }
+    document.update(fields)
+    return escaped(orjson.dumps(document).decode())
 
 
 def _shown(value: object) -> object:

@@ -503,6 +503,24 @@ async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_f
         await until(lambda: idle(client) == [])
 
 
+@pytest.mark.usefixtures("short_keepalive")
+async def test_connections_idle_since_different_times_are_each_closed_in_their_turn() -> None:
+    # One timer closes the idle connections: armed for the oldest, then for the next one.
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        first = await client.post(url, {}, "a")
+        second = await client.post(url, {}, "b")  # the first is not idle: a connection more
+        assert await first.read() == b"ok"
+        first.close()
+        await asyncio.sleep(0.03)
+        assert await second.read() == b"ok"
+        second.close()
+        assert len(idle(client)) == 2
+        await within(engine.connections[0].gone.wait())
+        await within(engine.connections[1].gone.wait())
+        await until(lambda: idle(client) == [])
+
+
 async def test_an_answer_saying_connection_close_is_not_pooled() -> None:
     async def handler(conn: Conn) -> None:
         await conn.request()
@@ -997,6 +1015,133 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
         await post_ok(client, url, "again")
 
     assert [len(conn.requests) for conn in engine.connections] == [2]
+
+
+async def test_a_piped_answer_held_by_its_sink_stops_the_engine_and_never_times_out() -> None:
+    # The relay pours a stream to its client from the connection's callback (``pipe``); a
+    # client that does not read makes the sink hold the engine back, as a consumer that does
+    # not read does above, and the wait is its client's: no read timeout, not "awaiting".
+    total = 8 << 20
+    payload = random.Random(8).randbytes(total)
+    written = 0
+    stalled = asyncio.Event()
+
+    async def handler(conn: Conn) -> None:
+        nonlocal written
+        await conn.request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        while written < total:
+            conn.writer.write(payload[written : written + (64 << 10)])
+            written = min(total, written + (64 << 10))
+            drain = asyncio.ensure_future(conn.writer.drain())
+            done, _ = await asyncio.wait({drain}, timeout=0.2)
+            if not done:
+                stalled.set()
+                await drain
+        await serve_ok(conn)
+
+    async with scripted_engine(handler) as engine, engine_client(read_timeout=0.3) as client:
+        url = engine.url + "/v1/completions"
+        with await client.post(url, {}, "r") as response:
+            poured: list[bytes] = []
+
+            def sink(data: bytes) -> bool:
+                poured.append(data)
+                if len(poured) == 1:
+                    response.hold()
+                return False
+
+            piping = asyncio.ensure_future(response.pipe(sink))
+            await within(stalled.wait(), 1.5)
+            conn = response._conn
+            assert conn._transport is not None and not conn._transport.is_reading()
+            assert not response.awaiting, "held by its own client: not the engine's silence"
+            assert written < total
+            taken = len(poured)
+            await asyncio.sleep(0.7)  # more than two read timeouts
+            assert not piping.done(), "no read timeout while the sink holds the engine"
+            assert len(poured) == taken
+            response.resume()
+            await within(piping, 10)
+        assert b"".join(poured) == payload
+        # Every read of a round of the loop comes in one piece: far fewer than 64 KiB reads.
+        assert len(poured) < total // (64 << 10)
+        await post_ok(client, url, "again")
+
+    assert [len(conn.requests) for conn in engine.connections] == [2]
+
+
+async def test_a_pipe_gets_every_byte_before_the_error_and_stops_when_its_sink_says() -> None:
+    events = [b"data: %d\n\n" % index for index in range(5)]
+
+    async def breaks(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD + b"".join(chunk(event) for event in events[:3]))
+        conn.writer.transport.abort()
+
+    async def ends(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD + b"".join(chunk(event) for event in events))
+        await conn.send(LAST_CHUNK)
+        await conn.until_gone()
+
+    async with scripted_engine(breaks) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            poured: list[bytes] = []
+            with pytest.raises(UpstreamError) as raised:
+                await within(response.pipe(lambda data: poured.append(data) is not None), 5)
+        assert b"".join(poured) == b"".join(events[:3])
+        assert raised.value.kind == "broken_stream"
+
+    async with scripted_engine(ends) as engine, engine_client() as client:
+        with await client.post(engine.url + "/v1/completions", {}, "r") as response:
+            poured = []
+
+            def until_two(data: bytes) -> bool:
+                poured.append(data)
+                return b"data: 1" in b"".join(poured)
+
+            await within(response.pipe(until_two), 5)
+            # The sink said stop: the rest stays with the connection, read as before.
+            rest = await within(response.read(), 5)
+        assert b"".join(poured) + rest == b"".join(events)
+
+
+async def test_first_bytes_come_with_the_head_and_the_read_timeout_runs_from_each() -> None:
+    # The relay asks for a 200's head and first body bytes in one wait. Each gap here is
+    # under the read timeout, the whole wait over it: no timeout, and the answer whole.
+    async def slow(conn: Conn) -> None:
+        await conn.request()
+        await asyncio.sleep(0.6)
+        await conn.send(CHUNKED_HEAD)
+        await asyncio.sleep(0.6)
+        await conn.send(chunk(b"data: 1\n\n") + LAST_CHUNK)
+        await conn.until_gone()
+
+    async def head_then_gone(conn: Conn) -> None:
+        await conn.request()
+        await conn.send(CHUNKED_HEAD)
+        conn.writer.transport.abort()
+
+    async with scripted_engine(slow) as engine, engine_client(read_timeout=1.0) as client:
+        url = engine.url + "/v1/completions"
+        started = time.monotonic()
+        with await within(client.post(url, {}, "r", first_bytes=True), 5) as response:
+            assert (
+                time.monotonic() - started >= 1.2
+            ), "returned before its first bytes (a read timeout run from the request?)"
+            assert response.status == 200
+            assert await response.next_chunk() == b"data: 1\n\n"
+            assert await response.next_chunk() == b""
+
+    async with scripted_engine(head_then_gone) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        # A failure after the head is the stream's, as when the head came back alone.
+        with await within(client.post(url, {}, "r", first_bytes=True), 5) as response:
+            assert response.status == 200
+            with pytest.raises(UpstreamError) as raised:
+                await within(response.next_chunk(), 5)
+        assert "stream broken" in raised.value.message
 
 
 async def test_engine_connections_set_tcp_nodelay() -> None:
