@@ -64,7 +64,6 @@ class Conversation:
         self.client: openai.OpenAI = client_for(router.url)
         self.tag = tag
         self.messages: list[dict[str, str]] = []
-        self.sent = 0
 
     def turn(self, again: bool = False) -> tuple[int, dict[str, str]]:
         """The engine's ``cached_tokens`` for the next turn (``again``: the last one once
@@ -74,6 +73,9 @@ class Conversation:
         else:
             text = prompt(f"{self.tag}-turn{len(self.messages)}", words=TURN_WORDS)
             self.messages.append({"role": "user", "content": text})
+        # Lines of every conversation through the router (the warm-ups' too): this turn's
+        # is the next one.
+        before = len(request_lines(self.router))
         response = self.client.chat.completions.create(
             model=MODEL,
             messages=self.messages,  # type: ignore[arg-type]
@@ -85,10 +87,9 @@ class Conversation:
         assert details is not None and details.cached_tokens is not None, response.usage
         reply = response.choices[0].message.content or ""
         self.messages.append({"role": "assistant", "content": reply})
-        self.sent += 1
         # The log line is written as the answer ends, just after the client has it.
         deadline = time.monotonic() + SETTLE
-        while len(lines := request_lines(self.router)) < self.sent:
+        while len(lines := request_lines(self.router)) <= before:
             assert time.monotonic() < deadline, "no log line for the request"
             time.sleep(0.05)
         return details.cached_tokens, lines[-1]
