@@ -135,6 +135,8 @@ class Record:
     # Draining because a router's lookup stopped listing it (not an operator's drain): its
     # return to DNS undoes it.
     gone: bool = False
+    # Times it was added again after its removal (``{pdr}:incarnation``, apart from the body).
+    incarnation: int = 0
 
     @property
     def admin_value(self) -> str:
@@ -149,7 +151,7 @@ class Record:
         return orjson.dumps({**document, "labels": dict(self.labels), "source": self.source})
 
     @classmethod
-    def parse(cls, node_id: int, body: bytes, admin: bytes | None) -> Record:
+    def parse(cls, node_id: int, body: bytes, admin: bytes | None, incarnation: int = 0) -> Record:
         document: dict[str, Any] = orjson.loads(body)
         role = document["role"]
         state, _, how = (admin or b"serving").decode().partition(" ")
@@ -159,7 +161,8 @@ class Record:
         # Canonical, as every router writes it now (an older one may not have).
         slots, url = int(document["slots"]), normalise_url(str(document["url"]))
         source = str(document.get("source", "static"))
-        return cls(node_id, role, url, slots, labels, state, how == "forced", source, how == "gone")
+        forced, gone = how == "forced", how == "gone"
+        return cls(node_id, role, url, slots, labels, state, forced, source, gone, incarnation)
 
     @classmethod
     def of(cls, node: Node) -> Record:
@@ -210,15 +213,18 @@ def apply(
     verdicts: Mapping[int, Verdict],
     own: Container[Node] = (),
     probes: bool = True,
+    before: Mapping[int, Record] | None = None,
 ) -> None:
     """Make ``fleet`` what the shared records say; ``own``: nodes whose verdict found here
     has not reached Redis yet (the local one is the newer); ``probes``: this router probes
-    (a node new to it joins, unless it comes from a router's flags).
+    (a node new to it joins, unless it comes from a router's flags); ``before``: the
+    records ``fleet`` was made to match last time.
 
     Nodes are matched by role and URL, and take the record's id: Redis's ids are the truth,
     and one that changed (a fleet put back after Redis lost it, while a new router took its
     ids) changes here too."""
     by_key = {(node.role, node.url): node for node in fleet.nodes}
+    known = {(r.role, r.url): r.incarnation for r in (before or {}).values()}
     seen: set[tuple[Role, str]] = set()
     for record in sorted(records.values(), key=lambda record: record.id):
         key = (record.role, record.url)
@@ -237,6 +243,13 @@ def apply(
                 # reload removes the node.
                 fleet.drain(node)
             continue
+        if node is not None and record.incarnation > known.get(key, record.incarnation):
+            # Removed and added again since this router last looked (it read the fleet after
+            # both): it starts afresh, as on the routers that saw the removal; one with
+            # requests here stays, as it would have stayed drained through the removal.
+            if not node.bound:
+                fleet.remove(node, force=True)
+                node = None
         if node is None:
             node = fleet.add(
                 record.url,

@@ -80,8 +80,10 @@ class SharedFleet:
         # The fleet as last read from Redis: what is put back if Redis loses it.
         self.records: dict[int, Record] = {}
         # Verdicts found here that Redis has not taken yet (by node: a node found dead
-        # before this router registered still has the id of its flags' order).
-        self._unsent: dict[Node, Verdict] = {}
+        # before this router registered still has the id of its flags' order), each with the
+        # node's incarnation then ("" before this router read the fleet): a verdict on an
+        # incarnation since removed and added again is dropped (``scripts.VERDICT``).
+        self._unsent: dict[Node, tuple[Verdict, str]] = {}
         # Created on first use: an anyio lock needs a running loop.
         self._lock: anyio.Lock | None = None
         self.probes = probes
@@ -206,8 +208,8 @@ class SharedFleet:
         if missing:
             await self._put_back(missing)
             records, verdicts = await self._read()
-        self.records = records
-        apply(self.fleet, records, verdicts, self._unsent, self.probes)
+        before, self.records = self.records, records
+        apply(self.fleet, records, verdicts, self._unsent, self.probes, before)
         flagged, self._flagged = self._flagged, []
         for node, slots in flagged:
             if node.slots != slots and node in self.fleet.nodes:
@@ -218,12 +220,14 @@ class SharedFleet:
                 )  # fmt: skip
 
     async def _read(self) -> tuple[dict[int, Record], dict[int, Verdict]]:
-        nodes, admin, health = await self._run(_SNAPSHOT, [])
+        nodes, admin, health, incarnations = await self._run(_SNAPSHOT, [])
         states = dict(zip(admin[::2], admin[1::2]))
+        added_again = dict(zip(incarnations[::2], incarnations[1::2]))
         records: dict[int, Record] = {}
         for key, body in zip(nodes[::2], nodes[1::2]):
             try:
-                records[int(key)] = Record.parse(int(key), body, states.get(key))
+                incarnation = int(added_again.get(key, 0))
+                records[int(key)] = Record.parse(int(key), body, states.get(key), incarnation)
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("shared fleet: node %s unreadable, left as it is: %r", key, exc)
         verdicts: dict[int, Verdict] = {}
@@ -262,21 +266,24 @@ class SharedFleet:
 
     def _verdict_found(self, node: Node) -> None:
         """The fleet found ``node`` dead, or back (synchronous: the fleet's hook)."""
-        self._unsent[node] = Verdict.of(node, self.router_id)
-        self._found.send_nowait(node)
         record = self.records.get(node.id)
+        incarnation = "" if record is None else str(record.incarnation)
+        self._unsent[node] = (Verdict.of(node, self.router_id), incarnation)
+        self._found.send_nowait(node)
         if record is not None and record.admin == "draining":
             # Back from the dead, still drained (by an operator, or for DNS).
             self.fleet.drain(node, GONE if record.gone else "drained")
 
     async def _send_verdicts(self) -> None:
         async for node in self._to_send:
-            while (verdict := self._unsent.get(node)) is not None:
+            while (unsent := self._unsent.get(node)) is not None:
+                verdict, incarnation = unsent
                 try:
                     async with self._locked():
                         await self._adopt()  # the node's id is the fleet's
-                        await self._run(_VERDICT, [self.router_id, str(node.id), verdict.body()])
-                        if self._unsent.get(node) is verdict:
+                        body = verdict.body()
+                        await self._run(_VERDICT, [self.router_id, str(node.id), body, incarnation])
+                        if self._unsent.get(node) is unsent:
                             del self._unsent[node]
                     break
                 except StateUnavailable:

@@ -548,6 +548,7 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:admin``     hash: node id -> serving | draining | draining gone (DNS stopped
 #   listing it) | removed | removed forced
 # * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
+# * ``{pdr}:incarnation`` hash: node id -> times it was added again after its removal
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
 #   lease (rewritten while it lives)
 # * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
@@ -565,7 +566,7 @@ local router, ids, changed = ARGV[2], {}, false
 for i = 3, #ARGV, 5 do
   local key = ARGV[i] .. ' ' .. ARGV[i + 1]
   local id = redis.call('HGET', P .. 'node-ids', key)
-  local write = ARGV[1] == 'set'
+  local write, again = ARGV[1] == 'set', false
   if not id then
     id = ARGV[i + 4]
     if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
@@ -578,8 +579,9 @@ for i = 3, #ARGV, 5 do
     end
     redis.call('HSET', P .. 'node-ids', key, id)
     write = true
-  elseif ARGV[1] == 'discover' then
-    write = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
+  else
+    again = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
+    if ARGV[1] == 'discover' then write = again end
   end
   if write then
     redis.call('HSET', P .. 'nodes', id, ARGV[i + 2])
@@ -588,6 +590,15 @@ for i = 3, #ARGV, 5 do
   end
   -- An add starts the node afresh: an old verdict on it is the prober's to renew.
   if write and ARGV[1] ~= 'adopt' then redis.call('HDEL', P .. 'health', id) end
+  -- Back after its removal: a new incarnation, so that a router that missed the removal
+  -- (its reload came after both) starts it afresh too, and a verdict still in flight on
+  -- the old one is dropped (VERDICT).
+  if write and again and ARGV[1] ~= 'adopt' then
+    if type(redis.pcall('HINCRBY', P .. 'incarnation', id, 1)) ~= 'number' then
+      note(P .. 'incarnation', id, redis.call('HGET', P .. 'incarnation', id), 'started again')
+      redis.call('HSET', P .. 'incarnation', id, 1)
+    end
+  end
   ids[#ids + 1] = tonumber(id)
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end
@@ -613,17 +624,21 @@ redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """
 
-# ARGV: router, node id, verdict
+# ARGV: router, node id, verdict, the node's incarnation when it was found ("": not known)
+# -> 1, or 0 when the node was added again since (the verdict was on its old incarnation)
 VERDICT = _COMMON + """
+local now = as_count(redis.call('HGET', P .. 'incarnation', ARGV[2])) or 0
+if ARGV[4] ~= '' and now > tonumber(ARGV[4]) then return 0 end
 redis.call('HSET', P .. 'health', ARGV[2], ARGV[3])
 redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """
 
-# -> {nodes (id, record...), admin states (id, state...), verdicts (id, verdict...)}
+# -> {nodes (id, record...), admin states (id, state...), verdicts (id, verdict...),
+# incarnations (id, count...)}
 SNAPSHOT = _COMMON + """
 return {redis.call('HGETALL', P .. 'nodes'), redis.call('HGETALL', P .. 'admin'),
-  redis.call('HGETALL', P .. 'health')}
+  redis.call('HGETALL', P .. 'health'), redis.call('HGETALL', P .. 'incarnation')}
 """
 
 # ARGV: router, ms to live, then pairs of (node id, requests in flight)

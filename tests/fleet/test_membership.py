@@ -4,6 +4,8 @@ found elsewhere failing only this router's requests on the node, once."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 
 from pd_router.errors import Evidence, NodeDead
@@ -42,6 +44,28 @@ def test_records_become_nodes_under_their_ids_and_follow_changes() -> None:
     apply(fleet, {**records, 7: Record(7, "decode", "http://d7", 5, {}, "removed")}, {})
     assert fleet.node(7) is None and fleet.pool.nodes == []
     assert fleet.add("http://new", "decode", 1).id == 8, "a local id never takes a shared one"
+
+
+def test_a_node_removed_and_added_again_unseen_starts_afresh_unless_it_has_requests() -> None:
+    """A reload that came after both the removal and the add (``before``: what the fleet
+    matched last) sees only a newer incarnation: the old node's death is not kept."""
+    dead = Failure("unreachable", "connection refused", Evidence.FATAL)
+    again = {0: P, 1: Record(1, "decode", "http://d1", 4, source="admin", incarnation=1)}
+    for busy in (False, True):
+        fleet = fleet_of(P, D1)
+        d1 = fleet.node(1)
+        assert d1 is not None
+        fleet.failed(d1, dead)
+        with fleet.bind(Request("r1"), d1) if busy else nullcontext():
+            apply(fleet, again, {}, before={0: P, 1: D1})
+        fresh = fleet.node(1)
+        assert fresh is not None
+        if busy:  # as if it had seen the removal: drained, not removed, then serving again
+            assert fresh is d1 and d1.state is State.DEAD
+        else:
+            assert fresh is not d1 and fresh.state is State.JOINING and fresh.failures == 0
+            apply(fleet, again, {}, before=again)
+            assert fleet.node(1) is fresh, "the same incarnation read again changes nothing"
 
 
 def test_a_removal_made_elsewhere_fails_what_still_runs_here_only_if_forced() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -17,9 +18,10 @@ from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
 from pd_router.errors import Evidence, NodeDead, StateUnavailable
 from pd_router.fleet.nodes import Failure, HealthPolicy, State, make_nodes
 from pd_router.fleet.registry import Fleet
+from pd_router.shared.fleet import _VERDICT as VERDICT
 from pd_router.shared.fleet import SharedFleet
 from pd_router.shared.pool import SharedPool
-from pd_router.shared.redis import Redis, parse_url
+from pd_router.shared.redis import Redis, Script, parse_url
 from tests.fleet.test_registry import Request
 from tests.redis_server import RedisServer
 
@@ -150,6 +152,62 @@ async def test_a_node_found_dead_is_dead_everywhere_and_each_router_fails_only_i
     assert took < 1.0
     async with router(redis_server) as c:
         assert state(c, D0) is State.SERVING
+
+
+async def test_a_node_removed_and_added_again_starts_afresh_on_a_router_that_missed_it(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A router whose reloads come after both the removal and the add (its messages late)
+    sees only the node back: it starts afresh there too, not dead from before."""
+    async with router(redis_server) as a, router(redis_server) as b:
+        a_d0, b_d0 = a.fleet.node(1), b.fleet.node(1)
+        assert a_d0 is not None and b_d0 is not None
+        a.fleet.failed(a_d0, REFUSED)
+        await until(lambda: b_d0.state is State.DEAD, 1.0)
+        heard = anyio.Event()
+        a_reload = a._reload
+
+        async def late() -> None:
+            await heard.wait()
+            await a_reload()
+
+        a._reload = late  # type: ignore[method-assign]
+        await b.drain(b_d0)
+        await b.remove(b_d0, False)
+        added = await a.add(D0, "decode", 2, {})
+        heard.set()
+        assert added.id == 1 and added.state is State.JOINING and added is not a_d0
+        await until(lambda: state(b, D0) is State.JOINING, 1.0)
+
+
+async def test_a_verdict_in_flight_on_a_removed_node_misses_it_added_again(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A death found before the removal, reaching Redis after the add, was on the node's
+    previous incarnation: the one added again joins on every router all the same."""
+    async with router(redis_server) as a, router(redis_server) as b:
+        a_d0, b_d0 = a.fleet.node(1), b.fleet.node(1)
+        assert a_d0 is not None and b_d0 is not None
+        await b.drain(b_d0)
+        await until(lambda: a_d0.state is State.DRAINING, 1.0)
+        sent = anyio.Event()
+        a_run = a._run
+
+        async def late(script: Script, args: Sequence[str | bytes]) -> Any:
+            if script is VERDICT:
+                await sent.wait()
+            return await a_run(script, args)
+
+        a._run = late  # type: ignore[method-assign]
+        a.fleet.failed(a_d0, REFUSED)
+        await b.remove(b_d0, False)
+        added = await b.add(D0, "decode", 2, {})
+        sent.set()
+        await until(lambda: not a._unsent, 1.0)
+        assert await redis.call("HGET", "{pdr}:health", "1") is None
+        await b._reload()
+        assert state(b, D0) is added.state is State.JOINING
+        await until(lambda: state(a, D0) is State.JOINING, 1.0)
 
 
 async def test_every_routers_requests_per_node_are_seen_by_each(
