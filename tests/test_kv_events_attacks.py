@@ -199,18 +199,21 @@ class Turns:
     def __init__(self, router: RouterProcess) -> None:
         self.router = router
         self.sdk = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
-        self.sent = 0
 
     def send(self, prompt: str) -> tuple[int, dict[str, str]]:
         """The engine's cached tokens and the router's log line."""
-        answer = self.sdk.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
-        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
-        self.sent += 1
         lines: list[str] = []
+        before = -1
 
         def logged() -> bool:
             lines[:] = [ln for ln in self.router.log().splitlines() if "request_id=" in ln]
-            return len(lines) >= self.sent
+            return len(lines) > before
+
+        # Every request's line counts (others' too, sent meanwhile): this one's is the next.
+        logged()
+        before = len(lines)
+        answer = self.sdk.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
 
         wait_for(logged, timeout=WAIT, what="the request's log line")
         cached = answer.usage.prompt_tokens_details.cached_tokens or 0

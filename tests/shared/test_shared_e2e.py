@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -87,34 +88,30 @@ def test_waiters_on_different_routers_are_served_in_arrival_order(
     three routers, and one slot frees at a time; each request must be served before any
     that came after it, whichever router either came through."""
     with routers(fleet, redis_server, 3, "--decode-slots", "1", "--queue-timeout", "60") as rs:
-        holders = [
-            RawClient(rs[0].url, "/v1/completions", {**STREAM, "max_tokens": 4000})
-            for _ in fleet.decode
-        ]
+        long = {**STREAM, "max_tokens": 4000}
+        holders = [RawClient(rs[0].url, "/v1/completions", long) for _ in fleet.decode]
         for holder in holders:
             holder.read_until(b"data: ")
         assert slots_in_use(redis_server.url) == len(holders)
-        served: list[int] = []
-        failures: list[str] = []
-
-        def waiter(index: int) -> None:
-            body = {**STREAM, "stream": False, "max_tokens": 2, "prompt": f"waiter {index}"}
-            answer = stream(rs[index % 3].url, body)
-            if answer.status_code == 200:
-                served.append(index)
-            else:
-                failures.append(answer.text)
-
-        threads = []
+        waiters: list[RawClient] = []
         for index in range(6):
-            threads.append(threading.Thread(target=waiter, args=(index,)))
-            threads[-1].start()
+            body = {**long, "prompt": f"waiter {index}"}
+            waiters.append(RawClient(rs[index % 3].url, "/v1/completions", body))
             # The next one arrives only once this one is in the queue.
             wait_for(lambda: queued(redis_server.url) == index + 1, what=f"waiter {index} queued")
         holders[0].hang_up()  # one slot, so the waiters go through it one at a time
-        for thread in threads:
-            thread.join(60)
-        assert not failures, failures
+        served: list[int] = []
+        for _ in waiters:
+            # Each served waiter streams, holding the slot until it hangs up: whichever
+            # starts next is the one the queue chose (no thread's timing decides the order).
+            left = {waiter.sock: i for i, waiter in enumerate(waiters) if i not in served}
+            readable, _, _ = select.select(list(left), [], [], 60)
+            assert readable, f"nobody served after {served}"
+            index = left[readable[0]]
+            head = waiters[index].read_until(b"data: ")
+            assert head.startswith(b"HTTP/1.1 200"), head[:300]
+            served.append(index)
+            waiters[index].hang_up()
         assert served == list(range(6)), f"served out of arrival order: {served}"
         holders[1].hang_up()
         for router in rs:

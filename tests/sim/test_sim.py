@@ -500,6 +500,7 @@ def test_a_prefill_engine_computes_at_most_its_concurrency_at_once() -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        # 20 uncached tokens at 10 ms: 0.2 s each, one after the other (a bound on how
-        # late the first may end would only measure the machine's load).
-        assert max(done) - started >= 0.4 and max(done) - min(done) >= 0.19
+        # 20 uncached tokens at 10 ms: 0.2 s each, one after the other: the last ends 0.4 s
+        # after the start at the earliest (at once, both would end after 0.2 s). How far apart
+        # they end is not checked: a loaded machine delays when a client sees its answer.
+        assert max(done) - started >= 0.4, (started, done)
