@@ -975,25 +975,33 @@ async def test_probe_of_a_refused_port_reports_it() -> None:
 # ---------------------------------------------------------------------------- transport
 
 
-async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing() -> None:
-    total = 8 << 20
-    payload = random.Random(7).randbytes(total)
-    written = 0
-    stalled = asyncio.Event()
+class Flood:
+    """An engine answering 8 MiB as fast as TCP takes it, which notes when the router stops
+    reading (``stalled``: TCP pushes back to it)."""
 
-    async def handler(conn: Conn) -> None:
-        nonlocal written
+    def __init__(self, seed: int) -> None:
+        self.total = 8 << 20
+        self.payload = random.Random(seed).randbytes(self.total)
+        self.written = 0
+        self.stalled = asyncio.Event()
+
+    async def __call__(self, conn: Conn) -> None:
         await conn.request()
-        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
-        while written < total:
-            conn.writer.write(payload[written : written + (64 << 10)])
-            written = min(total, written + (64 << 10))
+        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % self.total)
+        while self.written < self.total:
+            conn.writer.write(self.payload[self.written : self.written + (64 << 10)])
+            self.written = min(self.total, self.written + (64 << 10))
             drain = asyncio.ensure_future(conn.writer.drain())
             done, _ = await asyncio.wait({drain}, timeout=0.2)
             if not done:
-                stalled.set()  # the router stopped reading: TCP pushes back to here
+                self.stalled.set()
                 await drain
         await serve_ok(conn)
+
+
+async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing() -> None:
+    handler = Flood(7)
+    total, payload, stalled = handler.total, handler.payload, handler.stalled
 
     async with scripted_engine(handler) as engine, engine_client() as client:
         url = engine.url + "/v1/completions"
@@ -1005,7 +1013,7 @@ async def test_a_consumer_that_does_not_read_stops_the_engine_and_loses_nothing(
             # What the router holds is bounded: the high-water mark plus about one read.
             buffered = conn._buffered
             assert HIGH_WATER < buffered <= HIGH_WATER + (1 << 20)
-            assert written < total
+            assert handler.written < total
             await asyncio.sleep(0.05)
             assert conn._buffered == buffered
             received = await response.read()
@@ -1021,24 +1029,8 @@ async def test_a_piped_answer_held_by_its_sink_stops_the_engine_and_never_times_
     # The relay pours a stream to its client from the connection's callback (``pipe``); a
     # client that does not read makes the sink hold the engine back, as a consumer that does
     # not read does above, and the wait is its client's: no read timeout, not "awaiting".
-    total = 8 << 20
-    payload = random.Random(8).randbytes(total)
-    written = 0
-    stalled = asyncio.Event()
-
-    async def handler(conn: Conn) -> None:
-        nonlocal written
-        await conn.request()
-        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
-        while written < total:
-            conn.writer.write(payload[written : written + (64 << 10)])
-            written = min(total, written + (64 << 10))
-            drain = asyncio.ensure_future(conn.writer.drain())
-            done, _ = await asyncio.wait({drain}, timeout=0.2)
-            if not done:
-                stalled.set()
-                await drain
-        await serve_ok(conn)
+    handler = Flood(8)
+    total, payload, stalled = handler.total, handler.payload, handler.stalled
 
     async with scripted_engine(handler) as engine, engine_client(read_timeout=0.3) as client:
         url = engine.url + "/v1/completions"
@@ -1056,7 +1048,7 @@ async def test_a_piped_answer_held_by_its_sink_stops_the_engine_and_never_times_
             conn = response._conn
             assert conn._transport is not None and not conn._transport.is_reading()
             assert not response.awaiting, "held by its own client: not the engine's silence"
-            assert written < total
+            assert handler.written < total
             taken = len(poured)
             await asyncio.sleep(0.7)  # more than two read timeouts
             assert not piping.done(), "no read timeout while the sink holds the engine"
