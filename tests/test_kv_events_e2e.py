@@ -42,19 +42,19 @@ def lines(router: RouterProcess) -> list[str]:
 class Client:
     def __init__(self, router: RouterProcess) -> None:
         self.router = router
-        self.sent = 0
         self.sdk = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
 
     def send(self, prompt: str) -> tuple[int, int, dict[str, str]]:
         """The prompt's tokens and the engine's cached tokens, and the router's log line."""
+        # Every request's line counts, whoever sent it: this one's is the next.
+        before = len(lines(self.router))
         answer = self.sdk.completions.create(model="sim-model", prompt=prompt, max_tokens=2)
         usage = answer.usage
         assert usage is not None and usage.prompt_tokens_details is not None
         cached = usage.prompt_tokens_details.cached_tokens or 0
-        self.sent += 1
         # The request's log line is written as its answer ends: soon after the client has it.
         deadline = time.monotonic() + 30
-        while len(logged := lines(self.router)) < self.sent:
+        while len(logged := lines(self.router)) <= before:
             assert time.monotonic() < deadline, "no log line"
             time.sleep(0.02)
         return usage.prompt_tokens, cached, dict(re.findall(r"(\w+)=(\S+)", logged[-1]))
