@@ -407,11 +407,16 @@ class SharedPool(DecodePool):
     def _send(self, resid: str, url: str) -> None:
         """The reservation given back: by the next acquisition, or the worker."""
         self._releases.append((resid, url))
-        if self._ready is None or self._timer is not None:
-            return  # the worker has not started, or the releases held back go with this one
-        if self._loop is not None and self._may_hold():
-            self._timer = self._loop.call_later(HOLD, self._hurry)
-            return
+        if self._ready is None:
+            return  # the worker has not started: it sends them when it does
+        if self._loop is not None:
+            if self._may_hold():
+                if self._timer is None:  # else they go with those held back already
+                    self._timer = self._loop.call_later(HOLD, self._hurry)
+                return
+            # Not to be held (an acquisition runs, slots may be short): those held back
+            # go now too, as on trio, where the worker looks at ``_may_hold`` itself.
+            self._hurry()
         self._ready.set()
 
     def _carry(self) -> list[tuple[str, str]]:

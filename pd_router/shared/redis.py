@@ -261,6 +261,9 @@ class _LoopConnection(_Replies, asyncio.Protocol):
     async def request_within(self, command: bytes, seconds: float) -> resp.Reply:
         """``request``, given up after ``seconds`` (``_NoReply``): the connection is then
         out of step, for its caller to close."""
+        # A timer of an earlier call may have run out just as its reply came in: that call
+        # had its reply, and this one's time is its own.
+        self._expired = False
         timer = asyncio.get_running_loop().call_later(seconds, self._expire)
         try:
             return await self.request(command)

@@ -212,6 +212,21 @@ async def test_no_reply_within_the_timeout_is_unavailable_and_closes_the_connect
         assert await redis.call("LLEN", key) == 1  # the abandoned BLPOP took nothing
 
 
+async def test_a_timer_run_out_as_its_reply_came_fails_no_later_call(
+    redis: Redis, anyio_backend: str
+) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("an asyncio loop's connections only: trio's are timed by cancel scopes")
+    assert await redis.call("ECHO", "a") == b"a"
+    conn = redis._idle[-1]
+    # The last call's timer ran out in the loop round its reply came in: it had its reply,
+    # and the connection went back to the pool. Before, the next call on it raised "no
+    # reply within" at once.
+    conn._expire()  # type: ignore[union-attr]
+    assert await redis.call("ECHO", "b") == b"b"
+    assert redis._idle == [conn]
+
+
 async def test_a_cancelled_call_leaves_the_pool_usable(redis: Redis, key: str) -> None:
     await redis.call("PING")
     with anyio.move_on_after(0.2) as scope:
