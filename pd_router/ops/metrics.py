@@ -216,8 +216,9 @@ class _StateCollector(Collector):
         faults = CounterMetricFamily(
             "pd_router_kv_event_faults",
             "KV event stream faults per engine, by kind (gap: events missed, the subscriber "
-            "fell behind; garbage: a message that is not vLLM's; disconnected): each makes "
-            "the stream degraded, the router predicting from its own placements.",
+            "fell behind; garbage: a message that is not vLLM's; disconnected; overflow: more "
+            "blocks than any engine's cache): each makes the stream degraded, the router "
+            "predicting from its own placements.",
             labels=["node", "url", "kind"],
         )
         streams = GaugeMetricFamily(

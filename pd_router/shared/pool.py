@@ -16,9 +16,10 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
 * ``release`` is synchronous, as in-process, so that it is safe in a cancelled ``finally``:
   it queues the release, and the next acquisition carries it, in the same script, or else
   a worker sends it, again and again while Redis is away (the script is idempotent). Until
-  then Redis counts the slot as used: never over the slots. The worker waits up to
+  then Redis counts the slot as used: never over the slots. A release waits up to
   ``HOLD`` seconds for an acquisition to carry it (one round trip per request instead of
-  two) while no acquisition runs, unless slots may be short: a waiter of this router is
+  two; on asyncio by a loop timer, on trio in the worker) while no acquisition runs,
+  unless slots may be short: a waiter of this router is
   queued, or the last acquisition found its node's last slot or someone waiting, in any
   queue, or was more than ``ROOM_FOR`` seconds ago (another router may have filled the
   pool since, and queued a waiter). A renewal carries the releases not sent yet too
