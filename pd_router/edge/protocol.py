@@ -391,6 +391,8 @@ class Wire:
         transport = self._transport
         if self._departure.at is not None or transport.is_closing():
             return True  # the client left (or was sent away): its request is told
+        if not data:
+            return True  # an empty chunk would end the response (uvicorn's send skips one)
         transport.write(b"%x\r\n%s\r\n" % (len(data), data))
         return not self._flow.write_paused
 

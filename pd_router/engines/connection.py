@@ -279,10 +279,12 @@ class EngineConnection(asyncio.Protocol):
         from the last byte, and not while ``sink`` holds the engine back (``hold``)."""
         self._sink = sink
         try:
-            self._read_again()
+            if not self._held:  # (held already: the sink's client was full before it began)
+                self._read_again()
             while True:
-                # Every byte that arrived before the end or an error goes first.
-                if self._body:
+                # Every byte that arrived before the end or an error goes first; none once
+                # the sink said stop (what came since stays for ``next_body``).
+                if self._body and self._sink is not None:
                     self._pour()
                 if self._sink is None or self.complete:
                     return

@@ -1099,6 +1099,67 @@ async def test_a_pipe_gets_every_byte_before_the_error_and_stops_when_its_sink_s
         assert b"".join(poured) + rest == b"".join(events)
 
 
+class Paused(asyncio.Transport):
+    """A transport that only says whether the connection reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = True
+
+    def write(self, data: Any) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def answering() -> tuple[EngineConnection, Paused]:
+    """A connection whose chunked 200's head is in, its body to come."""
+    conn, transport = EngineConnection(), Paused()
+    conn.connection_made(transport)
+    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    conn.data_received(CHUNKED_HEAD)
+    return conn, transport
+
+
+async def test_bytes_read_after_the_sink_said_stop_stay_with_the_connection(
+    anyio_backend: Any,
+) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("an asyncio protocol")
+    conn, _ = answering()
+    poured: list[bytes] = []
+    piping = asyncio.ensure_future(conn.pipe(lambda data: poured.append(data) is None, 5))
+    await asyncio.sleep(0)
+    conn.data_received(chunk(b"A"))
+    # The next read lands after the pour that said stop, before the pipe's task resumes.
+    asyncio.get_running_loop().call_soon(conn.data_received, chunk(b"B") + LAST_CHUNK)
+    await within(piping, 5)
+    # Before, the pipe's loop poured it into no sink: lost.
+    assert poured == [b"A"] and await within(conn.next_body(5), 5) == b"B"
+
+
+async def test_a_pipe_begun_held_does_not_read_the_engine(anyio_backend: Any) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("an asyncio protocol")
+    conn, transport = answering()
+    conn.hold()  # the client was full with the first events, before the pipe began
+    piping = asyncio.ensure_future(conn.pipe(lambda data: False, 5))
+    await asyncio.sleep(0)
+    assert not transport.reading, "before, the pipe read the engine again at once"
+    conn.resume()
+    assert transport.reading
+    piping.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await piping
+
+
 async def test_first_bytes_come_with_the_head_and_the_read_timeout_runs_from_each() -> None:
     # The relay asks for a 200's head and first body bytes in one wait. Each gap here is
     # under the read timeout, the whole wait over it: no timeout, and the answer whole.
