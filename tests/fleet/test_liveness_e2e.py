@@ -177,6 +177,25 @@ def test_an_answer_longer_than_the_read_timeout_is_a_504_not_a_verdict(fleet: Si
         router.assert_idle()
 
 
+def test_a_stream_whose_engine_goes_silent_mid_answer_ends_in_one_timeout_error(
+    fleet: SimFleet,
+) -> None:
+    # Its first events out, the rest of a stream is poured from the engine connection's
+    # callback (relay.py): the read timeout must still end it, once, and free its slot.
+    with router_for(fleet, "--read-timeout", "3") as router:
+        (stream,) = streaming(router, "silenced", 1, 400)
+        wait_for(lambda: len(stream.events) >= 3, what="the stream poured")
+        for engine in fleet.decode:
+            engine.configure(itl=30)  # the next token comes long after the read timeout
+        stream.join(60)
+        assert stream.status == 200 and stream.events[-1:] == ["data: [DONE]"]
+        assert [e["code"] for e in stream.errors] == ["timeout"], stream.errors
+        assert outcomes(router) == {"timeout": 1}
+        for engine in fleet.decode:
+            engine.configure(itl=0)
+        router.assert_idle()
+
+
 BAD_URLS = [
     "http://127.0.0.1:99999",
     "http://127.0.0.1:0",
