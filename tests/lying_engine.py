@@ -59,6 +59,54 @@ def slowly(count: int, interval: float) -> Lie:
     return write
 
 
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def then(count: int, tail: bytes, hold: bool = False) -> Lie:
+    """``count`` correct events, each in a read of its own (the router pours them as they
+    come), then ``tail`` as it is; then, with ``hold``, nothing more on a connection left
+    open, else the connection closed (as its head says, so that it is not reused)."""
+
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD if hold else STREAM_HEAD[:-2] + b"connection: close\r\n\r\n")
+        for index in range(count):
+            writer.write(chunk(events(token(f" {index}"))))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(tail)
+        await writer.drain()
+        if hold:
+            await asyncio.sleep(3600)
+
+    return write
+
+
+class Flood:
+    """A correct stream that never ends, written as fast as the router takes it: how many
+    bytes it got out, and whether the router closed it (``closed``, set once it did)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.closed = threading.Event()
+
+    async def __call__(self, writer: asyncio.StreamWriter) -> None:
+        piece = chunk(events(*[token(" flood")] * 64))
+        try:
+            writer.write(STREAM_HEAD)
+            while True:
+                writer.write(piece)
+                await writer.drain()
+                self.sent += len(piece)
+        except ConnectionError:
+            self.closed.set()
+
+
 def endless(status: int, piece: int = 1 << 20) -> Lie:
     """An answer that says it is 1 TiB long and sends until the router hangs up."""
 

@@ -10,7 +10,9 @@ clients get, ``test_liveness*`` about what the router concludes of an engine.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,12 +26,15 @@ from pd_router.sim.fleet import SimFleet
 from tests.helpers import RouterProcess, wait_for
 from tests.lying_engine import (
     STREAM,
+    Flood,
     LyingEngine,
+    chunk,
     endless,
     endless_header,
     events,
     http,
     slowly,
+    then,
     token,
 )
 
@@ -260,6 +265,66 @@ def test_sse_quirks_and_non_json_answers(router: RouterProcess, liar: LyingEngin
         response = httpx.post(url, json=lie("text"))
         assert response.status_code == 502
         assert error_of(response)["message"].endswith("answer is not JSON")
+
+
+@pytest.mark.parametrize(
+    ("tail", "says", "hold"),
+    [
+        (b"0\r\n\r\n", "decode stream ended without [DONE]", False),
+        (chunk(b"data: " + b"x" * (2 << 20)), "an upstream event exceeded 1048576 bytes", True),
+    ],
+    ids=["ends-without-done", "oversized-event"],
+)
+def test_a_stream_that_breaks_after_its_pour_began_ends_in_one_error_event(
+    router: RouterProcess, liar: LyingEngine, tail: bytes, says: str, hold: bool
+) -> None:
+    """Past its first event a stream is poured from the engine connection's callback; an
+    engine that breaks the stream there still gives the client its events, then exactly one
+    error event and ``[DONE]``, and its slot back."""
+    liar.lies["broken"] = then(3, tail, hold)
+    before = router.metrics()
+    with attacked(router):
+        response = httpx.post(f"{router.url}/v1/completions", json=lie("broken", stream=True))
+    assert response.status_code == 200
+    poured = events(*(token(f" {index}") for index in range(3)))
+    assert response.content.startswith(poured)
+    error, done, nothing = response.content[len(poured) :].split(b"\n\n")
+    assert json.loads(error.removeprefix(b"data: "))["error"]["message"].endswith(says)
+    assert (done, nothing) == (b"data: [DONE]", b"")
+    errors = "pd_router_requests_total{endpoint=completions,outcome=decode_error}"
+    assert router.metrics()[errors] == before.get(errors, 0) + 1
+
+
+def test_a_client_that_stops_reading_then_leaves_frees_its_slot_and_its_engine(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """A client that reads nothing fills its socket; the router then holds the engine back
+    (it reads no more of it) instead of buffering. Gone while held, the client costs the
+    router neither the slot nor the engine connection."""
+    flood = Flood()
+    liar.lies["flood"] = flood
+    body = json.dumps(lie("flood", stream=True)).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json"
+        b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with attacked(router):
+        with socket.create_connection(("127.0.0.1", router.port)) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            client.sendall(request)
+            wait_for(lambda: flood.sent > 1 << 20, what="the flood under way")
+            wait_for(lambda: stalled(flood), what="the engine held back by the router")
+            assert not flood.closed.is_set()
+        assert flood.closed.wait(30), "the engine's connection was closed"
+    aborted = "pd_router_requests_total{endpoint=completions,outcome=client_aborted}"
+    assert router.metrics().get(aborted, 0) >= 1
+
+
+def stalled(flood: Flood) -> bool:
+    """The flood wrote nothing for a while: the router stopped reading it."""
+    sent = flood.sent
+    time.sleep(0.5)
+    return flood.sent == sent
 
 
 @pytest.mark.parametrize(
