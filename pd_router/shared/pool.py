@@ -5,7 +5,9 @@ around them and the waiting, with the in-process pool's contract (``fleet/pool.p
 
 * ``acquire`` returns a reservation or raises having taken nothing. The script that takes
   a slot runs shielded: a cancellation that arrived meanwhile is delivered after the
-  reservation is in hand, inside the ``try`` of ``reserve`` that releases it.
+  reservation is in hand, inside the ``try`` of ``reserve`` that releases it. One such
+  script runs at a time per router; the acquisitions that come meanwhile go together in
+  the next, in the order they came (``_asked``).
 * A waiter is an entry in Redis's queue for its model, first come first served across
   routers; a burst on one model queues nobody asking for another. The script that frees a
   slot hands it to the oldest waiter among the models its node serves (this router says
@@ -69,8 +71,9 @@ log = logging.getLogger("pd_router.shared_pool")
 # Seconds a router's slots outlive it. Renewed every third of it: two renewals may fail
 # (a slow Redis, a stalled loop) before the lease ends.
 LEASE = 10.0
-# Releases sent in one round trip at most (a script's arguments stay small).
-RELEASE_BATCH = 256
+# Releases, and acquisitions, sent in one round trip at most (a script's arguments stay
+# small, and one script does not keep Redis from the other routers for long).
+RELEASE_BATCH = ACQUIRE_BATCH = 256
 # Seconds a release waits for an acquisition to carry it, while slots are not short: one
 # client's next request comes well within it.
 HOLD = 0.005
@@ -100,6 +103,25 @@ class SharedReservation(Reservation):
         self.id = reservation_id
 
 
+class _Asked:
+    """A request for a slot in an acquisition call (``SharedPool._asked``), and its answer:
+    the script's reply, the call's error, or the requests this one is to send next."""
+
+    __slots__ = ("request", "answered", "reply", "error", "lead")
+
+    def __init__(self, request: list[str]) -> None:
+        self.request = request
+        self.answered: anyio.Event | None = None  # set once answered (a request that waits)
+        self.reply: list[Any] | None = None
+        self.error: BaseException | None = None
+        self.lead: list[_Asked] | None = None
+
+    def answer(self, reply: list[Any] | None = None, error: BaseException | None = None) -> None:
+        self.reply, self.error = reply, error
+        assert self.answered is not None  # nosec B101: a waiting request has one
+        self.answered.set()
+
+
 class SharedPool(DecodePool):
     def __init__(self, nodes: Sequence[Node], redis: Redis, lease: float = LEASE) -> None:
         super().__init__(nodes)
@@ -114,6 +136,8 @@ class SharedPool(DecodePool):
         # The last reservation id given, and those whose acquire has not answered yet.
         self._last_id = 0
         self._calling: set[int] = set()
+        # The requests waiting for the acquisition call that runs (``_asked``); None: none runs.
+        self._asking: list[_Asked] | None = None
         # Held by a renewal, a release and a waiter's leaving: a renewal writes back what
         # this router held when it was sent, so none of them may run between.
         self._settling = anyio.Lock()
@@ -243,35 +267,25 @@ class SharedPool(DecodePool):
     async def _acquire(
         self, resid: str, may_queue: bool, avoid: Node | None, model: str | None
     ) -> Any:
-        args = [self.router_id, resid, "1" if may_queue else "0", _key(model)]
-        args += self._offer(avoid, model)
-        carried = self._carry()
+        request = [resid, "1" if may_queue else "0", _key(model), *self._offer(avoid, model)]
         started = anyio.current_time()
         number = int(resid)
         self._calling.add(number)
         # Shielded: a reply lost to a cancellation would be a slot taken and never given back.
         try:
             with anyio.CancelScope(shield=True):
-                try:
-                    reply = await self._run(_ACQUIRE, [*args, *self._release_args(carried)])
-                finally:
-                    if carried:
-                        self._settling.release()
-                carried = []
-                args.append("0")  # no releases: those were sent
+                reply, bad = await self._asked(request)
                 if reply[0] in (b"unknown", b"stale"):
                     # Redis lost this router's registration, or the slots of a node (lost,
                     # or dropped as bad): the renewal writes them back.
                     await self._renew()
-                    reply = await self._run(_ACQUIRE, args)
-                elif reply[-1]:
+                    replies, _ = await self._run(_ACQUIRE, [self.router_id, "1", *request, "0"])
+                    reply = replies[0]
+                elif bad:
                     await self._renew()  # what Redis could not repair, before others read it
         except BaseException:
-            # Whatever failed (Redis away, a hook of the registration, a bug): the releases
-            # carried may not have been given back, so they are sent again (a release runs
-            # once however often sent), and the script may have run, or may still: settled
-            # by the renewal.
-            self._releases[:0] = carried
+            # Whatever failed (Redis away, a hook of the registration, a bug): the script
+            # may have run, or may still: settled by the renewal, asked for now.
             self.wake()
             raise
         finally:
@@ -288,6 +302,78 @@ class SharedPool(DecodePool):
                 return "busy"
             return self._hold(resid, node, anyio.current_time() - started)
         return reply[0].decode()
+
+    async def _asked(self, request: list[str]) -> tuple[list[Any], list[bytes]]:
+        """The ACQUIRE script's reply to ``request``, and what the script found bad (told
+        to one of the requests it answered).
+
+        One acquisition call at a time: the requests that come while one runs wait, and go
+        together in the next, sent by the first of them, in the order they came. A lone
+        request goes at once; under load one call answers many (64 clients kept all 16
+        connections busy with a call each, and Redis ran one script per request). Waiting
+        adds no cancellation point: the request is shielded already, and each call is
+        bounded by the client's timeout."""
+        mine = _Asked(request)
+        if self._asking is None:
+            batch = [mine]
+            self._asking = []
+        else:
+            mine.answered = anyio.Event()
+            self._asking.append(mine)
+            await mine.answered.wait()
+            if mine.lead is None:
+                if mine.error is not None:
+                    raise fresh(mine.error)
+                assert mine.reply is not None  # nosec B101: set with ``answered``
+                return mine.reply, []
+            batch = mine.lead
+        try:
+            replies, bad = await self._call(batch)
+        except BaseException as exc:
+            error = (
+                exc
+                if isinstance(exc, Exception)
+                else StateUnavailable("shared state unavailable: the call was interrupted")
+            )
+            for other in batch[1:]:
+                other.answer(error=error)
+            raise
+        finally:
+            self._pass_on()
+        for other, reply in zip(batch[1:], replies[1:]):
+            other.answer(reply)
+        return replies[0], bad
+
+    def _pass_on(self) -> None:
+        """The call ended: the requests that came meanwhile go next (``ACQUIRE_BATCH`` at
+        most, the rest after), sent by the first of them."""
+        waiting = self._asking
+        if not waiting:
+            self._asking = None
+            return
+        batch, self._asking = waiting[:ACQUIRE_BATCH], waiting[ACQUIRE_BATCH:]
+        first = batch[0]
+        first.lead = batch
+        assert first.answered is not None  # nosec B101: a waiting request has one
+        first.answered.set()
+
+    async def _call(self, batch: list[_Asked]) -> tuple[list[Any], list[bytes]]:
+        """One ACQUIRE call for ``batch``, carrying the releases waiting; those are put back
+        if the call fails (a release runs once however often it is sent)."""
+        args = [self.router_id, str(len(batch))]
+        for asked in batch:
+            args += asked.request
+        carried = self._carry()
+        try:
+            try:
+                replies, bad = await self._run(_ACQUIRE, [*args, *self._release_args(carried)])
+            finally:
+                if carried:
+                    self._settling.release()
+        except BaseException:
+            self._releases[:0] = carried
+            raise
+        return replies, bad
 
     async def _leave(self, resid: str, model: str | None) -> Node | None:
         """Out of the queue; the node of the slot that reached the waiter meanwhile, if one did."""

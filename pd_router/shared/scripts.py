@@ -317,39 +317,59 @@ local function settle(router, floor, kept, takes)
 end
 """
 
-# ARGV: router, reservation id, "1" to queue when nothing is free, the model ("": any),
-# the nodes the request may land on (a list of nodes: see the module docstring), then the
-# router's releases sent along, as RELEASE takes them: the nodes that take new requests
-# (a list of nodes) and the reservation ids (mostly none: "0" and no id)
-# -> {"ok", url, room, bad} (room: 1 if the node has a slot left and nobody waits, in any
-# queue) | {"queued", bad} | {"busy", bad} | {"unknown", bad} (the router must register
-# first) | {"stale", bad} (no slot free, and the slots of some node were not in the store:
-# the router must renew first) | {"late", bad} (an id below the router's floor: a call it
-# gave up on)
-# The releases first: they came first. As in-process: the freest node is taken unless a
-# waiter it takes is queued (a newcomer never overtakes a waiter); a burst queued on
-# another model's nodes is no obstacle.
+# ARGV: router, n, then n requests, each: its reservation id, "1" to queue it when nothing
+# is free, its model ("": any), the nodes it may land on (a list of nodes: see the module
+# docstring); then the router's releases sent along, as RELEASE takes them: the nodes that
+# take new requests (a list of nodes) and the reservation ids (mostly none: "0" and no id)
+# -> {{the reply to each request, in order}, bad}, a reply being {"ok", url, room} (room:
+# 1 if the node has a slot left and nobody waits, in any queue) | {"queued"} | {"busy"} |
+# {"unknown"} (the router must register first) | {"stale"} (no slot free, and the slots of
+# some node were not in the store: the router must renew first) | {"late"} (an id below
+# the router's floor: a call it gave up on)
+# The releases first: they came first. The requests in the order they came, each as if
+# alone (those sent together came while one call ran: ``shared/pool.py``). As
+# in-process: the freest node is taken unless a waiter it takes is queued (a newcomer
+# never overtakes a waiter, one queued earlier in the same call included); a burst queued
+# on another model's nodes is no obstacle.
 ACQUIRE = _COMMON + """
-local router, resid, may_queue, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local urls, takes, at = read_nodes(5)
+local router, n = ARGV[1], tonumber(ARGV[2])
+local asked, at = {}, 3
+for i = 1, n do
+  local urls, takes, after = read_nodes(at + 3)
+  asked[i] = {ARGV[at], ARGV[at + 1], ARGV[at + 2], urls, takes}
+  at = after
+end
 local _, freed, from = read_nodes(at)
 release(router, freed, from)
-if redis.call('HEXISTS', P .. 'routers', router) == 0 then return {'unknown', bad} end
-if (as_count(resid) or 0) < (count(P .. 'floor', router) or 0) then return {'late', bad} end
-local url, most = pick(urls)
-if url and first_for(takes[url]) == nil then
-  redis.call('HSET', P .. 'res:' .. router, resid, url)
-  add_used(url, 1)
-  local room = 0
-  if most > 1 and redis.call('SCARD', P .. 'queues') == 0 then room = 1 end
-  return {'ok', url, room, bad}
+local replies = {}
+if redis.call('HEXISTS', P .. 'routers', router) == 0 then
+  for i = 1, n do replies[i] = {'unknown'} end
+  return {replies, bad}
 end
-if lacking then return {'stale', bad} end
-if may_queue == '1' then
-  enqueue(model, router .. ' ' .. resid)
-  return {'queued', bad}
+local floor = count(P .. 'floor', router) or 0
+for i, request in ipairs(asked) do
+  local resid, may_queue, model, urls, takes = unpack(request)
+  if (as_count(resid) or 0) < floor then
+    replies[i] = {'late'}
+  else
+    local url, most = pick(urls)
+    if url and first_for(takes[url]) == nil then
+      redis.call('HSET', P .. 'res:' .. router, resid, url)
+      add_used(url, 1)
+      local room = 0
+      if most > 1 and redis.call('SCARD', P .. 'queues') == 0 then room = 1 end
+      replies[i] = {'ok', url, room}
+    elseif lacking then
+      replies[i] = {'stale'}
+    elseif may_queue == '1' then
+      enqueue(model, router .. ' ' .. resid)
+      replies[i] = {'queued'}
+    else
+      replies[i] = {'busy'}
+    end
+  end
 end
-return {'busy', bad}
+return {replies, bad}
 """
 
 # ARGV: router, the nodes that take new requests (a list of nodes), the reservation ids

@@ -258,6 +258,93 @@ async def test_redis_away_is_a_503_and_what_is_held_is_written_back_when_it_retu
         await until_used(redis, 0)
 
 
+async def acquisition_calls(redis: Redis) -> int:
+    """The acquisition scripts Redis ran so far (every script the pool runs is an EVALSHA)."""
+    stats = await redis.call("INFO", "commandstats")
+    line = next(x for x in stats.decode().splitlines() if x.startswith("cmdstat_evalsha:"))
+    return int(line.split("calls=")[1].split(",")[0])
+
+
+async def test_acquisitions_that_come_while_one_runs_go_together_first_come_first_served(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """30 requests at once for 20 slots: the first 20 to ask get them, the 10 after are
+    told busy, and Redis ran far fewer than 30 acquisition calls (those that came while
+    one ran went together in the next)."""
+    asked: list[int] = []
+    got: dict[int, Reservation] = {}
+    busy: list[int] = []
+
+    async def ask(pool: SharedPool, index: int) -> None:
+        asked.append(index)
+        try:
+            got[index] = await pool.acquire(0)
+        except Busy:
+            busy.append(index)
+
+    async with router(redis_server, slots=20, lease=600.0) as a:
+        calls = await acquisition_calls(redis)
+        async with anyio.create_task_group() as tg:
+            for index in range(30):
+                tg.start_soon(ask, a, index)
+        calls = await acquisition_calls(redis) - calls
+        assert sorted(got) == sorted(asked[:20]) and sorted(busy) == sorted(asked[20:])
+        assert len({reservation.id for reservation in got.values()}) == 20
+        assert await used(redis) == 20
+        assert calls < 10, f"{calls} calls for 30 acquisitions"
+        for reservation in got.values():
+            reservation.release()
+        await until_used(redis, 0)
+
+
+async def test_a_burst_goes_in_calls_of_at_most_a_batch_each(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """600 requests at once: each served, in calls of at most ``ACQUIRE_BATCH`` (one script
+    must not hold Redis, which every router waits on, for long)."""
+    async with router(redis_server, slots=600, lease=600.0) as a:
+        calls = await acquisition_calls(redis)
+        got: list[Reservation] = []
+
+        async def ask() -> None:
+            got.append(await a.acquire(0))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(600):
+                tg.start_soon(ask)
+        calls = await acquisition_calls(redis) - calls
+        assert len(got) == 600 and await used(redis) == 600
+        assert calls >= 600 // shared_pool.ACQUIRE_BATCH + 1
+        for reservation in got:
+            reservation.release()
+        await until_used(redis, 0)
+
+
+async def test_acquisitions_waiting_on_a_call_fail_with_it_each_with_its_own_error(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    async with router(redis_server, slots=20, lease=1.0) as a:
+        redis_server.kill()
+        errors: list[Unavailable] = []
+
+        async def ask() -> None:
+            with pytest.raises(Unavailable) as caught:
+                await a.acquire(0)
+            errors.append(caught.value)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for _ in range(10):
+                    tg.start_soon(ask)
+        assert len(errors) == 10 and len({id(error) for error in errors}) == 10
+        assert all(error.status == 503 for error in errors)
+        redis_server.start()
+        await until(lambda: a.available, seconds=10)
+        held = await a.acquire(0)
+        held.release()
+        await until_used(redis, 0)
+
+
 async def test_a_release_while_redis_is_away_is_sent_when_it_returns(
     redis_server: RedisServer, redis: Redis
 ) -> None:
