@@ -23,12 +23,12 @@ from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
 from pd_router.fleet.kvevents import DEGRADED, DISCONNECTED, EventError, EventStreams, decode
 from pd_router.fleet.nodes import KV_EVENTS, Node
+from pd_router.ops.ticks import sleep_to_tick
 
 log = logging.getLogger("pd_router.kvevents")
 
@@ -166,7 +166,7 @@ async def follow(nodes: list[Node], streams: EventStreams) -> None:
                 while time.perf_counter() < deadline and (item := subscriber.take()) is not None:
                     _apply(streams, node_id, subscriber.endpoint, item)
             streams.settle()
-            await anyio.sleep(TICK if subscribers else IDLE_TICK)
+            await sleep_to_tick(TICK if subscribers else IDLE_TICK)
     finally:
         for subscriber in subscribers.values():
             subscriber.stop()

@@ -22,6 +22,7 @@ from pd_router.fleet import models, stall
 from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.registry import Fleet
 from pd_router.ops.lag import LoopLag
+from pd_router.ops.ticks import sleep_to_tick
 
 log = logging.getLogger("pd_router.health")
 
@@ -44,27 +45,30 @@ async def probe_forever(
             async with anyio.create_task_group() as tg:
                 for node in fleet.nodes:
                     tg.start_soon(probe, fleet, upstream, node, timeout, lag)
-        await anyio.sleep(interval)
+        await sleep_to_tick(interval)
 
 
 async def probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float, lag: LoopLag) -> None:
     started = anyio.current_time()
-    try:
-        failure = await upstream.probe(node.url + "/health", timeout)
-    except Exception as exc:
-        log.exception(
-            "probing %s node %s (%s) failed inside the router", node.role, node.id, node.url
-        )
-        failure = Failure(
-            "probe error", f"health check failed in the router: {exc!r}", Evidence.SOFT
-        )
+    # The loop's lag is asked about only while a probe is out: the ticker ticks only then.
+    with lag.watching():
+        try:
+            failure = await upstream.probe(node.url + "/health", timeout)
+        except Exception as exc:
+            log.exception(
+                "probing %s node %s (%s) failed inside the router", node.role, node.id, node.url
+            )
+            failure = Failure(
+                "probe error", f"health check failed in the router: {exc!r}", Evidence.SOFT
+            )
+        timed_out = failure is not None and failure.kind == PROBE_TIMEOUT
+        late = lag.worst_since(started, anyio.current_time()) if timed_out else 0.0
     if node not in fleet.nodes:
         return  # removed while the probe was out
     if failure is None:
         fleet.probed(node)
         return
-    if failure.kind == PROBE_TIMEOUT:
-        late = lag.worst_since(started, anyio.current_time())
+    if timed_out:
         if late >= timeout * VOID_LAG_SHARE:
             log.info(
                 "probe of %s node %s (%s) void: the router's own loop ran %.1f s late",
@@ -82,7 +86,7 @@ async def watch_stalls(fleet: Fleet, timeout: float) -> None:
     tick = min(1.0, timeout / 4)
     last = anyio.current_time()
     while True:
-        await anyio.sleep(tick)
+        await sleep_to_tick(tick)
         now = anyio.current_time()
         # Time the loop lost to its own stall is nobody's silence.
         elapsed, last = min(now - last, 2 * tick), now
@@ -112,7 +116,7 @@ async def watch_models(fleet: Fleet, upstream: Upstream, tick: float = 1.0) -> N
                 for node in reading:
                     due[node] = now + models.RETRY  # unless the read succeeds
                     tg.start_soon(learn, node)
-        await anyio.sleep(tick)
+        await sleep_to_tick(tick)
 
 
 async def learn_models(fleet: Fleet, upstream: Upstream, node: Node) -> bool:

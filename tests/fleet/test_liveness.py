@@ -120,10 +120,48 @@ async def test_the_ticker_sees_a_blocked_loop() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(lag.run)
         await anyio.sleep(0.1)
+        with lag.watching():  # a probe out
+            start = anyio.current_time()
+            assert lag.worst_since(start, anyio.current_time()) < 0.1
+            await anyio.sleep(0.1)
+            time.sleep(0.4)  # the router's own stall: a long parse, a page-in
+            assert lag.worst_since(start, anyio.current_time()) >= 0.3
+            await anyio.sleep(0.1)
+            assert lag.worst_since(start, anyio.current_time()) >= 0.3, "remembered after it"
+        tg.cancel_scope.cancel()
+
+
+class CountedLag(LoopLag):
+    def __init__(self, interval: float) -> None:
+        super().__init__(interval)
+        self.ticks = 0
+
+    def ticked(self, now: float) -> None:
+        self.ticks += 1
+        super().ticked(now)
+
+
+@pytest.mark.anyio
+async def test_the_ticker_ticks_only_while_a_probe_watches() -> None:
+    """Nobody asks about the loop's lag with no probe out: an idle router wakes for no tick.
+    Watching from before the ticker starts, and from two probes at once, works too."""
+    lag = CountedLag(interval=0.01)
+    async with anyio.create_task_group() as tg:
+        with lag.watching():
+            tg.start_soon(lag.run)
+            await anyio.sleep(0.1)
+            assert lag.ticks > 0, "a watch begun before the ticker ran is ticked for"
+        await anyio.sleep(0.05)
+        idle = lag.ticks
+        await anyio.sleep(0.2)
+        assert lag.ticks == idle, "no tick while nobody watches"
         start = anyio.current_time()
-        assert lag.worst_since(start, anyio.current_time()) < 0.1
-        time.sleep(0.4)  # the router's own stall: a long parse, a page-in
-        assert lag.worst_since(start, anyio.current_time()) >= 0.3
+        time.sleep(0.3)  # a stall nobody watched
+        with lag.watching(), lag.watching():  # two probes out
+            assert lag.worst_since(start, anyio.current_time()) == 0.0
+            await anyio.sleep(0.1)
+            assert lag.ticks > idle
+        ticked = lag.ticks
         await anyio.sleep(0.1)
-        assert lag.worst_since(start, anyio.current_time()) >= 0.3, "remembered after the tick"
+        assert lag.ticks == ticked, "both probes back: the ticking stops"
         tg.cancel_scope.cancel()
