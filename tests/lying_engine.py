@@ -153,8 +153,17 @@ class LyingEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        # Lies still holding their connections end first: a coroutine left pending on a
+        # stopped loop is closed by the garbage collector later, into a closed loop.
+        asyncio.run_coroutine_threadsafe(self._end_lies(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    async def _end_lies(self) -> None:
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
