@@ -495,6 +495,23 @@ async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
 
 
 @pytest.mark.usefixtures("short_keepalive")
+async def test_a_connection_too_old_is_not_reused_even_before_the_sweep_ran() -> None:
+    """A loop that runs the sweep's timer late (a stall) still never sends on a connection
+    idle longer than the keep-alive: the engine may be closing it."""
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
+        url = engine.url + "/v1/completions"
+        await post_ok(client, url, "a")
+        assert client._sweep is not None
+        client._sweep.cancel()  # as late as can be
+        await asyncio.sleep(0.1)
+        assert len(idle(client)) == 1, "nothing swept it"
+        await post_ok(client, url, "b")  # too old: a new connection
+        await within(engine.connections[0].gone.wait())
+
+    assert [len(conn.requests) for conn in engine.connections] == [1, 1]
+
+
+@pytest.mark.usefixtures("short_keepalive")
 async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_find_it() -> None:
     async with scripted_engine(serve_ok) as engine, engine_client() as client:
         await post_ok(client, engine.url + "/v1/completions", "a")
