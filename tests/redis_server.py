@@ -176,13 +176,22 @@ class RedisServer:
 class DroppingProxy:
     """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
     client's connection instead of forwarding a reply: the call ran, its reply is lost.
-    New connections go to ``port`` as it is then: set it, and clients fail over as they
-    would behind Sentinel or a DNS name."""
+    A connection that forwards a command holding ``holding`` (bytes) forwards nothing back
+    from then on and stays open, as a link the network stopped answering on, until
+    ``let_go``. New connections go to ``port`` as it is then: set it, and clients fail over
+    as they would behind Sentinel or a DNS name."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.dropping = False
         self.dropped = 0
+        self.holding: bytes | None = None
+        self.held = 0
+        self._let_go = anyio.Event()
+
+    def let_go(self) -> None:
+        """The connections held are closed."""
+        self._let_go.set()
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
@@ -193,13 +202,22 @@ class DroppingProxy:
         async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
             async with anyio.create_task_group() as tg:
 
+                stuck = False
+
                 async def forward() -> None:
+                    nonlocal stuck
                     async for data in client:
+                        if self.holding is not None and self.holding in data:
+                            stuck = True
                         await upstream.send(data)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(forward)
                 async for data in upstream:
+                    if stuck:
+                        self.held += 1
+                        await self._let_go.wait()
+                        break
                     if self.dropping:
                         self.dropped += 1
                         break

@@ -237,6 +237,42 @@ async def test_acquires_whose_reply_was_lost_after_they_ran_are_given_back(
         tg.cancel_scope.cancel()
 
 
+async def test_an_acquisition_stuck_on_its_connection_holds_up_no_other(
+    server: RedisServer, store: Redis
+) -> None:
+    """The network stops answering on one connection (no reset: its call waits out the
+    client's timeout): requests that come meanwhile are served on other connections,
+    whatever the batching of acquisitions does (``shared/pool.py``, ``CALLS_AT_ONCE``)."""
+    proxy = DroppingProxy(server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        redis = Redis(parse_url(f"redis://127.0.0.1:{port}/0"), timeout=60.0)
+        pool = SharedPool(make_nodes(URLS, 8), redis, lease=600.0)
+        stuck = anyio.Event()
+
+        async def ask_stuck() -> None:
+            with pytest.raises(Unavailable):
+                await pool.acquire(0, "stuck")  # its reply never comes; then its link closes
+            stuck.set()
+
+        async with anyio.create_task_group() as work:
+            for _, job in pool.background():
+                work.start_soon(job)
+            await until(lambda: pool.available)
+            proxy.holding = b"stuck"
+            work.start_soon(ask_stuck)
+            await until(lambda: proxy.held == 1)
+            served = [await pool.acquire(0) for _ in range(3)]
+            assert not stuck.is_set(), "served while the stuck call still waited"
+            for reservation in served:
+                reservation.release()
+            proxy.let_go()
+            await stuck.wait()
+            work.cancel_scope.cancel()
+        await redis.aclose()
+        tg.cancel_scope.cancel()
+
+
 async def test_acquires_whose_connection_was_killed_as_they_ran_are_given_back(
     server: RedisServer, store: Redis
 ) -> None:
