@@ -216,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "ttft_p50": run.ttft(50),
                     "ttft_p99": run.ttft(99),
                     "errors": run.errors,
+                    "failures": dict(run.failures),
                     "seconds": run.seconds,
                 }
                 for run in runs

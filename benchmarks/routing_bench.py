@@ -31,6 +31,7 @@ import asyncio
 import json
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -298,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "ttft_p50": rounds.ttft(50),
                         "ttft_p99": rounds.ttft(99),
                         "errors": rounds.errors(),
+                        "failures": dict(sum((run.failures for run in rounds.runs), Counter())),
                     }
                     for rounds in results.values()
                 ],

@@ -36,7 +36,7 @@ def test_the_benchmark_answers_every_turn_and_reports_the_policies_targets(
     }  # fmt: skip
     turns = CONVERSATIONS * TURNS
     for name, run in runs.items():
-        assert run["errors"] == 0, (name, done.stdout)
+        assert run["errors"] == 0, (name, run["failures"])
         # Every turn was one prefill on one of the engines measured.
         assert sum(run["prefills"]) == turns, (name, run["prefills"])
         # Every conversation repeats the shared system prompt: every configuration finds

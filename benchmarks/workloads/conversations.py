@@ -57,7 +57,7 @@ async def turn(
     if got is None:
         return None
     if got.usage is None:
-        run.errors += 1
+        run.failures["an answer with no usage"] += 1
         return None
     run.ttfts.append(got.ttft)
     run.prompt_tokens += got.usage["prompt_tokens"]

@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,12 +174,18 @@ SHAPES: dict[str, Callable[..., Shape]] = {
 class Run:
     name: str
     ttfts: list[float] = field(default_factory=list)
-    errors: int = 0
+    # What each failed request got: its status and the start of the router's error body,
+    # or what its stream lacked.
+    failures: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     # Filled in by the caller: from the engines' counters, or the answers' usage.
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefills: list[int] = field(default_factory=list)
+
+    @property
+    def errors(self) -> int:
+        return sum(self.failures.values())
 
     @property
     def cached_share(self) -> float:
@@ -207,8 +214,8 @@ async def stream(
     usage: dict[str, Any] | None = None
     async with session.post(url, json=body) as response:
         if response.status != 200:
-            run.errors += 1
-            await response.read()
+            body = await response.read()
+            run.failures[f"HTTP {response.status}: {body[:120].decode(errors='replace')}"] += 1
             return None
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
@@ -222,7 +229,7 @@ async def stream(
                     first = first or time.perf_counter()
                     text.append(piece)
     if first is None:
-        run.errors += 1
+        run.failures["a stream with no text"] += 1
         return None
     return Answer("".join(text), first - started, usage)
 
