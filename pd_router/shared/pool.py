@@ -285,7 +285,7 @@ class SharedPool(DecodePool):
                     # Redis lost this router's registration, or the slots of a node (lost,
                     # or dropped as bad): the renewal writes them back.
                     await self._renew()
-                    replies, _ = await self._run(_ACQUIRE, [self.router_id, "1", *request, "0"])
+                    replies, _ = await self._call([_Asked(request)])
                     reply = replies[0]
                 elif bad:
                     await self._renew()  # what Redis could not repair, before others read it

@@ -237,6 +237,24 @@ async def test_acquires_whose_reply_was_lost_after_they_ran_are_given_back(
         tg.cancel_scope.cancel()
 
 
+async def test_acquires_sent_together_whose_reply_was_lost_are_given_back(
+    server: RedisServer, store: Redis
+) -> None:
+    """More acquires at once than ``CALLS_AT_ONCE``: those after go in one call, and its
+    reply is lost after it took a slot for each of them. Every slot comes back."""
+    proxy = DroppingProxy(server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with router(f"redis://127.0.0.1:{port}/0", slots=8) as pool:
+            proxy.dropping = True
+            await refused(lambda: pool.acquire(0), 8)
+            assert 0 < proxy.dropped < 8, "some of the acquires went together"
+            proxy.dropping = False
+            await agree(store, pool)
+            await burst(store, pool)
+        tg.cancel_scope.cancel()
+
+
 async def test_an_acquisition_stuck_on_its_connection_holds_up_no_other(
     server: RedisServer, store: Redis
 ) -> None:
