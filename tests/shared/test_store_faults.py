@@ -225,16 +225,8 @@ async def test_acquires_whose_reply_was_lost_after_they_ran_are_given_back(
     server: RedisServer, store: Redis
 ) -> None:
     proxy = DroppingProxy(server.port)
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(proxy.serve)
-        async with router(f"redis://127.0.0.1:{port}/0") as pool:
-            proxy.dropping = True
-            await refused(lambda: pool.acquire(0), 3)
-            assert proxy.dropped >= 3, "the acquires ran and their replies were dropped"
-            proxy.dropping = False
-            await agree(store, pool)
-            await burst(store, pool)
-        tg.cancel_scope.cancel()
+    dropped = await replies_lost(proxy, store, 3)
+    assert dropped >= 3, "the acquires ran and their replies were dropped"
 
 
 async def test_acquires_sent_together_whose_reply_was_lost_are_given_back(
@@ -242,17 +234,25 @@ async def test_acquires_sent_together_whose_reply_was_lost_are_given_back(
 ) -> None:
     """More acquires at once than ``CALLS_AT_ONCE``: those after go in one call, and its
     reply is lost after it took a slot for each of them. Every slot comes back."""
-    proxy = DroppingProxy(server.port)
+    dropped = await replies_lost(DroppingProxy(server.port), store, 8, slots=8)
+    assert 0 < dropped < 8, "some of the acquires went together"
+
+
+async def replies_lost(proxy: DroppingProxy, store: Redis, count: int, slots: int = SLOTS) -> int:
+    """``count`` acquires at once through ``proxy``, each reply dropped after its call ran
+    (each a 503); then Redis agrees with the router and a burst is served. The replies
+    dropped."""
     async with anyio.create_task_group() as tg:
         port = await tg.start(proxy.serve)
-        async with router(f"redis://127.0.0.1:{port}/0", slots=8) as pool:
+        async with router(f"redis://127.0.0.1:{port}/0", slots) as pool:
             proxy.dropping = True
-            await refused(lambda: pool.acquire(0), 8)
-            assert 0 < proxy.dropped < 8, "some of the acquires went together"
+            await refused(lambda: pool.acquire(0), count)
+            dropped = proxy.dropped
             proxy.dropping = False
             await agree(store, pool)
             await burst(store, pool)
         tg.cancel_scope.cancel()
+    return dropped
 
 
 async def test_an_acquisition_stuck_on_its_connection_holds_up_no_other(
