@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pd_router.sim.fleet import listens
+
 TTL = 0  # nothing on the way may cache what the tests change
 
 
@@ -120,7 +122,8 @@ class DnsServer:
                 break
             try:
                 dns.query.udp(dns.message.make_query("ready.", "A"), "127.0.0.1", 0.2, self.port)
-                return
+                if listens(self.process.pid, self.port, "udp"):
+                    return
             except (OSError, dns.exception.Timeout):
                 time.sleep(0.02)
         self.stop()

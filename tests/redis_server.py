@@ -25,18 +25,14 @@ import anyio.abc
 import trustme
 from anyio.abc import SocketStream
 
+from pd_router.sim.fleet import free_port, listens
+
 MISSING = (
     "redis-server is not on PATH: these tests need a real Redis. `.ci/run` installs it "
     "(apt-get install redis-server); on Debian or Ubuntu run that yourself."
 )
 START_SECONDS = 10.0
 STOP_SECONDS = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:
@@ -145,7 +141,7 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 break
-            if self._answers_ping():
+            if self._answers_ping() and listens(self.process.pid, self.port):
                 return
             time.sleep(0.02)
         self.stop()

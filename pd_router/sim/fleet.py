@@ -36,6 +36,39 @@ def free_port() -> int:
         return port
 
 
+def listens(pid: int, port: int, protocol: Literal["tcp", "udp"] = "tcp") -> bool:
+    """Whether ``pid``, or a process it started, holds the socket bound to ``port`` (TCP:
+    listening), from Linux's /proc; elsewhere, assumed. A server's answer on a port picked
+    for it may come from another test's, which took the port first."""
+    if not Path(f"/proc/net/{protocol}").exists():
+        return True
+    # TCP_LISTEN; a bound UDP socket is TCP_CLOSE.
+    state = "0A" if protocol == "tcp" else "07"
+    bound: set[str] = set()
+    for table in (f"/proc/net/{protocol}", f"/proc/net/{protocol}6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            # local address (hex ip:port), remote address, state, ..., inode
+            fields = row.split()
+            if fields[3] == state and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                bound.add(f"socket:[{fields[9]}]")
+    pending = [pid]
+    while pending:
+        proc = Path(f"/proc/{pending.pop()}")
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in bound:
+                    return True
+            for task in (proc / "task").iterdir():
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue  # it exited meanwhile, or a descriptor closed as it was read
+    return False
+
+
 class ServerProcess:
     """A local HTTP server in its own process on 127.0.0.1, healthy when GET /health is 200.
 
@@ -133,7 +166,7 @@ class ServerProcess:
             try:
                 health = f"{self.url}/health"
                 with _open("GET", health, None, timeout=1.0, context=self.tls) as response:
-                    if response.status == 200:
+                    if response.status == 200 and listens(self._process.pid, self.port):
                         return
             except (OSError, urllib.error.URLError):
                 pass

@@ -504,3 +504,22 @@ def test_a_prefill_engine_computes_at_most_its_concurrency_at_once() -> None:
         # after the start at the earliest (at once, both would end after 0.2 s). How far apart
         # they end is not checked: a loaded machine delays when a client sees its answer.
         assert max(done) - started >= 0.4, (started, done)
+
+
+def test_a_server_on_a_port_taken_first_is_not_taken_for_this_one() -> None:
+    """Another test's server can take the port picked for this one before it binds: its
+    200 on /health must not pass for this engine's (a CI run sent a router's prefill
+    requests to a decode engine that way, and got its 400). A port asked for fails loudly;
+    a picked one is given up for another."""
+    with EngineProcess("decode") as other:
+        asked = EngineProcess("prefill", port=other.port)
+        with pytest.raises(RuntimeError, match="address already in use"):
+            with asked:
+                pass
+        picked = EngineProcess("prefill")
+        picked.port = other.port  # as if the other had won the race for it
+        with picked, httpx.Client(timeout=10) as client:
+            assert picked.port != other.port
+            body = body_for("mine", False, max_tokens=1, kv_transfer_params=PREFILL_KV_PARAMS)
+            answer = client.post(picked.url + "/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
