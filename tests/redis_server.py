@@ -172,6 +172,8 @@ class RedisServer:
 class DroppingProxy:
     """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
     client's connection instead of forwarding a reply: the call ran, its reply is lost.
+    While ``lying`` (bytes), it forwards those instead of each reply (``lied`` counts them),
+    as a proxy or a server that is not Redis might.
     A connection that forwards a command holding ``holding`` (bytes) forwards nothing back
     from then on and stays open, as a link the network stopped answering on, until
     ``let_go``. New connections go to ``port`` as it is then: set it, and clients fail over
@@ -181,6 +183,8 @@ class DroppingProxy:
         self.port = port
         self.dropping = False
         self.dropped = 0
+        self.lying: bytes | None = None
+        self.lied = 0
         self.holding: bytes | None = None
         self.held = 0
         self._let_go = anyio.Event()
@@ -217,5 +221,8 @@ class DroppingProxy:
                     if self.dropping:
                         self.dropped += 1
                         break
+                    if self.lying is not None:
+                        self.lied += 1
+                        data = self.lying
                     await client.send(data)
                 tg.cancel_scope.cancel()

@@ -53,11 +53,11 @@ RECONCILE = 5.0
 # Seconds between looks at this router's requests per node (written only when changed).
 IN_FLIGHT_EVERY = 1.0
 
-_NODES = Script(scripts.NODES)
+_NODES = Script(scripts.NODES, 2)
 _ADMIN = Script(scripts.ADMIN)
 _DNS_ADMIN = Script(scripts.DNS_ADMIN)
 _VERDICT = Script(scripts.VERDICT)
-_SNAPSHOT = Script(scripts.SNAPSHOT)
+_SNAPSHOT = Script(scripts.SNAPSHOT, 4)
 _PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
 _IN_FLIGHT = Script(scripts.IN_FLIGHT)
 _PROBER = Script(scripts.PROBER)

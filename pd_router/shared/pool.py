@@ -87,11 +87,11 @@ HOLD = 0.005
 # then, and a release held back would keep another router's waiter waiting.
 ROOM_FOR = HOLD
 
-_ACQUIRE = Script(scripts.ACQUIRE)
-_RELEASE = Script(scripts.RELEASE)
-_ABANDON = Script(scripts.ABANDON)
-_RENEW = Script(scripts.RENEW)
-_REGISTER = Script(scripts.REGISTER)
+_ACQUIRE = Script(scripts.ACQUIRE, 2)
+_RELEASE = Script(scripts.RELEASE, 2)
+_ABANDON = Script(scripts.ABANDON, 2, 3)
+_RENEW = Script(scripts.RENEW, 5)
+_REGISTER = Script(scripts.REGISTER, 2)
 _REPAIR = Script(scripts.REPAIR)
 # Error replies that say Redis cannot serve now, not that the store holds bad data.
 _TRANSIENT = frozenset(
@@ -376,6 +376,15 @@ class SharedPool(DecodePool):
             finally:
                 if carried:
                     self._settling.release()
+            if len(replies) != len(batch):
+                # Not the script's reply, which answers each request (see Script.run): the
+                # requests it left unanswered would wait forever. What the script took is
+                # settled as after a lost reply, by the renewal the requests' failure asks.
+                self.available = False
+                raise StateUnavailable(
+                    f"shared state unavailable: redis {self.redis.settings.address}: "
+                    f"{len(replies)} replies to {len(batch)} acquisitions"
+                )
         except BaseException:
             self._releases[:0] = carried
             raise

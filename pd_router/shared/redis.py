@@ -524,23 +524,31 @@ class Subscription:
 
 
 class Script:
-    """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when Redis lacks it."""
+    """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when Redis lacks it.
+    ``lengths``: those its reply, a list, may have (none given: any reply)."""
 
-    __slots__ = ("source", "sha")
+    __slots__ = ("source", "sha", "lengths")
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, *lengths: int) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        self.lengths = lengths
 
     async def run(self, redis: Redis, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         try:
-            return await redis.call("EVALSHA", self.sha, len(keys), *keys, *args)
+            reply = await redis.call("EVALSHA", self.sha, len(keys), *keys, *args)
         except RedisError as error:
             # Redis's script cache is empty after a restart, a failover or SCRIPT FLUSH.
             # NOSCRIPT means nothing ran, so sending the script whole is safe.
             if error.code != "NOSCRIPT":
                 raise
-        return await redis.call("EVAL", self.source, len(keys), *keys, *args)
+            reply = await redis.call("EVAL", self.source, len(keys), *keys, *args)
+        if self.lengths and not (isinstance(reply, list) and len(reply) in self.lengths):
+            # Not this script's reply (a proxy's, or a server's that is not Redis): as
+            # good as none, and what ran is not known, as after a lost reply.
+            address = redis.settings.address
+            raise RedisUnavailable(f"redis {address}: a script was answered {str(reply)[:80]}")
+        return reply
 
 
 def _poll(sock: Any) -> select.poll:

@@ -18,14 +18,16 @@ from pd_router.errors import RateLimited, StateUnavailable
 from pd_router.shared import keys
 from pd_router.shared.keys import SharedKeyLimits
 from pd_router.shared.redis import Redis, parse_url
-from tests.redis_server import RedisServer
+from tests.redis_server import DroppingProxy, RedisServer
 
 pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def router(server: RedisServer, lease: float = 10.0) -> AsyncIterator[SharedKeyLimits]:
-    limits = SharedKeyLimits(Redis(parse_url(server.url), timeout=1.0), lease)
+async def router(
+    server: RedisServer, lease: float = 10.0, url: str | None = None
+) -> AsyncIterator[SharedKeyLimits]:
+    limits = SharedKeyLimits(Redis(parse_url(url or server.url), timeout=1.0), lease)
     async with anyio.create_task_group() as tg:
         for _, work in limits.background():
             tg.start_soon(work)
@@ -119,4 +121,34 @@ async def test_redis_away_refuses_with_503_and_counts_nothing(redis_server: Redi
         with pytest.raises(StateUnavailable):
             await limits.enter("carol", 1)
         assert limits.in_flight == {}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_reply_no_script_gives_refuses_with_503_and_holds_no_one(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    """Between the router and Redis, something answers what the script never says (fewer
+    counts than asks): the asks it answered for are refused with a 503, none waits for an
+    answer forever, and the next true answer counts again."""
+    proxy = DroppingProxy(redis_server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with router(redis_server, url=f"redis://127.0.0.1:{port}/0") as limits:
+            proxy.lying = b"*0\r\n"
+            errors: list[StateUnavailable] = []
+
+            async def ask(name: str) -> None:
+                try:
+                    await limits.enter(name, 5)
+                except StateUnavailable as exc:
+                    errors.append(exc)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as asks:
+                    for name in ("carol", "alice", "bob"):
+                        asks.start_soon(ask, name)
+            assert len(errors) == 3 and all(e.status == 503 for e in errors)
+            assert limits.in_flight == {}
+            proxy.lying = None
+            await eventually_admitted(limits, "carol", 1)
         tg.cancel_scope.cancel()

@@ -145,9 +145,11 @@ async def refused(
         except Unavailable as exc:
             errors.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        for _ in range(count):
-            tg.start_soon(one)
+    # Each acquire waits at most the client's timeout (1 s) per call: none waits forever.
+    with anyio.fail_after(HEAL):
+        async with anyio.create_task_group() as tg:
+            for _ in range(count):
+                tg.start_soon(one)
     assert len(errors) >= (count if at_least is None else at_least), "Redis answered in time"
     assert all(e.status == 503 and "shared state unavailable" in e.message for e in errors)
 
@@ -238,21 +240,41 @@ async def test_acquires_sent_together_whose_reply_was_lost_are_given_back(
     assert 0 < dropped < 8, "some of the acquires went together"
 
 
-async def replies_lost(proxy: DroppingProxy, store: Redis, count: int, slots: int = SLOTS) -> int:
+async def replies_lost(
+    proxy: DroppingProxy, store: Redis, count: int, slots: int = SLOTS, lie: bytes | None = None
+) -> int:
     """``count`` acquires at once through ``proxy``, each reply dropped after its call ran
-    (each a 503); then Redis agrees with the router and a burst is served. The replies
-    dropped."""
+    (with ``lie``, replaced by it), each a 503; then Redis agrees with the router and a
+    burst is served. The replies lost."""
     async with anyio.create_task_group() as tg:
         port = await tg.start(proxy.serve)
         async with router(f"redis://127.0.0.1:{port}/0", slots) as pool:
-            proxy.dropping = True
+            proxy.dropping, proxy.lying = lie is None, lie
             await refused(lambda: pool.acquire(0), count)
-            dropped = proxy.dropped
-            proxy.dropping = False
+            lost = proxy.dropped + proxy.lied
+            proxy.dropping, proxy.lying = False, None
             await agree(store, pool)
             await burst(store, pool)
         tg.cancel_scope.cancel()
-    return dropped
+    return lost
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        b"*2\r\n*0\r\n*0\r\n",  # an acquisition call's shape, with no reply for anyone
+        b"+OK\r\n",  # no script's shape
+    ],
+    ids=["no-replies", "not-a-script-reply"],
+)
+async def test_acquires_answered_what_no_script_says_are_refused_and_given_back(
+    server: RedisServer, store: Redis, lie: bytes
+) -> None:
+    """Acquires at once, some sent together, each answered with what the script never
+    says: each is refused with a 503 (none waits forever for a reply the call did not
+    carry), and the slots the script took come back."""
+    lied = await replies_lost(DroppingProxy(server.port), store, 8, slots=8, lie=lie)
+    assert lied >= 2, "some of the acquires were answered"
 
 
 async def test_an_acquisition_stuck_on_its_connection_holds_up_no_other(
