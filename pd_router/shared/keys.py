@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pd_router.errors import StateUnavailable
+from pd_router.errors import StateUnavailable, fresh
 from pd_router.fleet.keys import KeyLimits, refused
 from pd_router.shared import scripts
 from pd_router.shared.pool import LEASE
@@ -35,6 +35,8 @@ from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, S
 log = logging.getLogger("pd_router.shared_keys")
 
 _SYNC = Script(scripts.KEYS_SYNC)
+# The asks of a call that neither answered nor failed on the store (``_work`` stopped).
+_INTERRUPTED = StateUnavailable("shared state unavailable: the call for the key counts ended")
 
 
 class _Ask:
@@ -73,7 +75,7 @@ class SharedKeyLimits(KeyLimits):
         with anyio.CancelScope(shield=True):
             await ask.done.wait()
         if ask.error is not None:
-            raise ask.error
+            raise fresh(ask.error)
         if not ask.counted:
             raise refused(limit)
 
@@ -87,25 +89,39 @@ class SharedKeyLimits(KeyLimits):
             # A router holding requests renews its lease on them even when nothing moves.
             with anyio.move_on_after(self.lease / 3 if self.in_flight else math.inf):
                 batch.append(await self._pending.receive())
-            while True:
-                try:
-                    batch.append(self._pending.receive_nowait())
-                except anyio.WouldBlock:
-                    break
+            batch += self._drained()
             asks = [job for job in batch if job is not None]
             failed = False
             try:
                 await self._sync(asks)
-            except StateUnavailable as exc:
+            except BaseException as exc:
+                # Every ask is answered, whatever ended the call (this task stopping, a
+                # bug): a request waits for its answer shielded, and would wait forever.
                 failed = True
+                error = exc if isinstance(exc, StateUnavailable) else _INTERRUPTED
+                if error is _INTERRUPTED:
+                    # Those queued meanwhile: their call will not come either.
+                    asks += [job for job in self._drained() if job is not None]
                 for ask in asks:
-                    ask.error = exc
-            for ask in asks:
-                ask.done.set()
+                    ask.error = error
+                if error is _INTERRUPTED:
+                    raise
+            finally:
+                for ask in asks:
+                    ask.done.set()
             if failed and None in batch:
                 # Redis still counts what was released here: tell it again soon.
                 await anyio.sleep(RETRY)
                 self._jobs.send_nowait(None)
+
+    def _drained(self) -> list[_Job]:
+        """The jobs waiting, taken."""
+        jobs: list[_Job] = []
+        while True:
+            try:
+                jobs.append(self._pending.receive_nowait())
+            except anyio.WouldBlock:
+                return jobs
 
     async def _sync(self, asks: list[_Ask]) -> None:
         held = [item for name, count in self.in_flight.items() for item in (name, str(count))]

@@ -152,3 +152,38 @@ async def test_a_reply_no_script_gives_refuses_with_503_and_holds_no_one(
             proxy.lying = None
             await eventually_admitted(limits, "carol", 1)
         tg.cancel_scope.cancel()
+
+
+async def test_a_router_stopping_answers_every_ask_it_holds(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    """The router stops while a call for the key counts is out (its reply held up on the
+    way) and another ask waits for the next call: both are told 503 at once. Each waits
+    for its answer shielded, and before, both waited forever."""
+    proxy = DroppingProxy(redis_server.port)
+    errors: list[StateUnavailable] = []
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        limits = SharedKeyLimits(Redis(parse_url(f"redis://127.0.0.1:{port}/0"), timeout=60.0))
+
+        async def ask(name: str) -> None:
+            try:
+                await limits.enter(name, 5)
+            except StateUnavailable as exc:
+                errors.append(exc)
+
+        proxy.holding = b"stuck"
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as asks:
+                async with anyio.create_task_group() as work:
+                    for _, job in limits.background():
+                        work.start_soon(job)
+                    asks.start_soon(ask, "stuck")
+                    await until(lambda: proxy.held == 1)
+                    asks.start_soon(ask, "later")
+                    await anyio.sleep(0.05)
+                    work.cancel_scope.cancel()
+        assert len(errors) == 2 and all(e.status == 503 for e in errors), errors
+        proxy.let_go()
+        await limits.redis.aclose()
+        tg.cancel_scope.cancel()
