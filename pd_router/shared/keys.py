@@ -129,16 +129,9 @@ class SharedKeyLimits(KeyLimits):
         for ask in asks:
             args += [ask.name, str(ask.limit)]
         try:
-            reply = await _SYNC.run(self.redis, (), args)
+            reply = await _SYNC.run(self.redis, (), args, asked=len(asks))
         except (RedisUnavailable, RedisError) as exc:
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
-        if not isinstance(reply, list) or len(reply) != len(asks):
-            # Not the script's reply, which answers each ask (see Script.run): as good as
-            # none. An ask left unanswered would hold its request forever.
-            raise StateUnavailable(
-                f"shared state unavailable: redis {self.redis.settings.address}: "
-                f"{str(reply)[:80]} answered {len(asks)} asks"
-            )
         for ask, counted in zip(asks, reply, strict=True):
             if counted:
                 ask.counted = True

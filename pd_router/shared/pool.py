@@ -87,7 +87,7 @@ HOLD = 0.005
 # then, and a release held back would keep another router's waiter waiting.
 ROOM_FOR = HOLD
 
-_ACQUIRE = Script(scripts.ACQUIRE, 2)
+_ACQUIRE = Script(scripts.ACQUIRE, 2, each=0)
 _RELEASE = Script(scripts.RELEASE, 2)
 _ABANDON = Script(scripts.ABANDON, 2, 3)
 _RENEW = Script(scripts.RENEW, 5)
@@ -372,19 +372,11 @@ class SharedPool(DecodePool):
         carried = self._carry()
         try:
             try:
-                replies, bad = await self._run(_ACQUIRE, [*args, *self._release_args(carried)])
+                arguments = [*args, *self._release_args(carried)]
+                replies, bad = await self._run(_ACQUIRE, arguments, asked=len(batch))
             finally:
                 if carried:
                     self._settling.release()
-            if len(replies) != len(batch):
-                # Not the script's reply, which answers each request (see Script.run): the
-                # requests it left unanswered would wait forever. What the script took is
-                # settled as after a lost reply, by the renewal the requests' failure asks.
-                self.available = False
-                raise StateUnavailable(
-                    f"shared state unavailable: redis {self.redis.settings.address}: "
-                    f"{len(replies)} replies to {len(batch)} acquisitions"
-                )
         except BaseException:
             self._releases[:0] = carried
             raise
@@ -437,11 +429,15 @@ class SharedPool(DecodePool):
         settled (held, waiting, or given up on)."""
         return min(self._calling, default=self._last_id + 1)
 
-    async def _run(self, script: Script, args: Sequence[str], repair: bool = True) -> Any:
+    async def _run(
+        self, script: Script, args: Sequence[str], repair: bool = True, asked: int | None = None
+    ) -> Any:
         """The script's reply, its notes on bad values logged; a failure on the store's
-        data (not Redis being away) repairs the store, registers again and tries once more."""
+        data (not Redis being away) repairs the store, registers again and tries once more.
+        A reply that is not the script's (``Script.run``) is Redis away: what ran is
+        settled by the renewal the caller's failure asks for, as after a lost reply."""
         try:
-            reply = await script.run(self.redis, (), args)
+            reply = await script.run(self.redis, (), args, asked)
         except RedisUnavailable as exc:
             self.available = False
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
@@ -451,7 +447,7 @@ class SharedPool(DecodePool):
                 raise self._failed(error) from None
             self._failed(error)
             await self._repair()
-            return await self._run(script, args, repair=False)
+            return await self._run(script, args, repair=False, asked=asked)
         self._failing = None
         self.noted(reply if script is _REPAIR else reply[-1])
         return reply

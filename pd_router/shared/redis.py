@@ -525,16 +525,21 @@ class Subscription:
 
 class Script:
     """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when Redis lacks it.
-    ``lengths``: those its reply, a list, may have (none given: any reply)."""
+    ``lengths``: those its reply, a list, may have (none given: any reply). A script that
+    answers several requests at once is run with ``asked``, their number: its reply's
+    element ``each`` (None: the reply itself) must be a list of as many answers."""
 
-    __slots__ = ("source", "sha", "lengths")
+    __slots__ = ("source", "sha", "lengths", "each")
 
-    def __init__(self, source: str, *lengths: int) -> None:
+    def __init__(self, source: str, *lengths: int, each: int | None = None) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
         self.lengths = lengths
+        self.each = each
 
-    async def run(self, redis: Redis, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    async def run(
+        self, redis: Redis, keys: Sequence[Arg], args: Sequence[Arg], asked: int | None = None
+    ) -> Any:
         try:
             reply = await redis.call("EVALSHA", self.sha, len(keys), *keys, *args)
         except RedisError as error:
@@ -543,12 +548,21 @@ class Script:
             if error.code != "NOSCRIPT":
                 raise
             reply = await redis.call("EVAL", self.source, len(keys), *keys, *args)
-        if self.lengths and not (isinstance(reply, list) and len(reply) in self.lengths):
+        if not self._fits(reply, asked):
             # Not this script's reply (a proxy's, or a server's that is not Redis): as
-            # good as none, and what ran is not known, as after a lost reply.
+            # good as none, and what ran is not known, as after a lost reply. A request
+            # it left unanswered would wait for its answer forever.
             address = redis.settings.address
             raise RedisUnavailable(f"redis {address}: a script was answered {str(reply)[:80]}")
         return reply
+
+    def _fits(self, reply: Any, asked: int | None) -> bool:
+        if self.lengths and not (isinstance(reply, list) and len(reply) in self.lengths):
+            return False
+        if asked is None:
+            return True
+        answers = reply if self.each is None else reply[self.each]
+        return isinstance(answers, list) and len(answers) == asked
 
 
 def _poll(sock: Any) -> select.poll:

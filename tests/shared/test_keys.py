@@ -181,7 +181,8 @@ async def test_a_router_stopping_answers_every_ask_it_holds(
                     asks.start_soon(ask, "stuck")
                     await until(lambda: proxy.held == 1)
                     asks.start_soon(ask, "later")
-                    await anyio.sleep(0.05)
+                    # Queued for the next call, which the one held up keeps from coming.
+                    await until(lambda: limits._jobs.statistics().current_buffer_used == 1)
                     work.cancel_scope.cancel()
         assert len(errors) == 2 and all(e.status == 503 for e in errors), errors
         proxy.let_go()
