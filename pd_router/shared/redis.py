@@ -552,8 +552,9 @@ class Script:
             # Not this script's reply (a proxy's, or a server's that is not Redis): as
             # good as none, and what ran is not known, as after a lost reply. A request
             # it left unanswered would wait for its answer forever.
+            # Its content is not repeated: a client reads this, and never a store's text.
             address = redis.settings.address
-            raise RedisUnavailable(f"redis {address}: a script was answered {str(reply)[:80]}")
+            raise RedisUnavailable(f"redis {address}: a reply that is not the script's")
         return reply
 
     def _fits(self, reply: Any, asked: int | None) -> bool:
