@@ -22,7 +22,8 @@ through two routers sharing ``--state`` (a redis-server of the benchmark's own,
 ``--rounds`` times per configuration, interleaved, each round with other words; the table
 gives medians over rounds and each TTFT against round_robin's, then whether ``cost`` met
 issue 20's targets (on chat, completions, rag and agent; under ``short``, the TTFT with
-``--max-local-prefill`` against without). Every process started is stopped by its PID on every exit path.
+``--max-local-prefill`` against without). Every process started is stopped by its PID on
+every exit path.
 """
 
 from __future__ import annotations

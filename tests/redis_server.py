@@ -9,6 +9,7 @@ test module; a test that stops, kills or freezes its server starts its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -199,6 +200,12 @@ class DroppingProxy:
         await listener.serve(self._relay)
 
     async def _relay(self, client: SocketStream) -> None:
+        # A router closes a connection whose reply it cannot use: a reset is a client's
+        # leaving, not the proxy's failure.
+        with contextlib.suppress(anyio.BrokenResourceError, ConnectionResetError):
+            await self._forward(client)
+
+    async def _forward(self, client: SocketStream) -> None:
         async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
             async with anyio.create_task_group() as tg:
 

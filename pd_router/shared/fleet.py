@@ -43,8 +43,8 @@ from pd_router.fleet.membership import GONE, Background, Record, Verdict, apply
 from pd_router.fleet.nodes import Node, Role, State
 from pd_router.fleet.registry import Fleet
 from pd_router.shared import scripts
-from pd_router.shared.pool import SharedPool
-from pd_router.shared.redis import RETRY, RedisError, RedisUnavailable, Script
+from pd_router.shared.pool import SharedPool, noting
+from pd_router.shared.redis import RETRY, RedisError, RedisUnavailable, Script, flag, listed
 
 log = logging.getLogger("pd_router.shared_fleet")
 
@@ -53,15 +53,26 @@ RECONCILE = 5.0
 # Seconds between looks at this router's requests per node (written only when changed).
 IN_FLIGHT_EVERY = 1.0
 
-_NODES = Script(scripts.NODES, 2)
-_ADMIN = Script(scripts.ADMIN)
-_DNS_ADMIN = Script(scripts.DNS_ADMIN)
-_VERDICT = Script(scripts.VERDICT)
-_SNAPSHOT = Script(scripts.SNAPSHOT, 4)
-_PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT)
-_IN_FLIGHT = Script(scripts.IN_FLIGHT)
-_PROBER = Script(scripts.PROBER)
-_UNPROBE = Script(scripts.UNPROBE)
+
+def _per_router(reply: Any) -> bool:
+    """``IN_FLIGHT``'s reply: a router's id, then its (node id, count) pairs, for each."""
+    return (
+        isinstance(reply, list)
+        and all(type(router) is bytes for router in reply[::2])
+        and all(isinstance(pairs, list) for pairs in reply[1::2])
+        and len(reply) % 2 == 0
+    )
+
+
+_NODES = Script(scripts.NODES, noting(2))
+_ADMIN = Script(scripts.ADMIN, flag)
+_DNS_ADMIN = Script(scripts.DNS_ADMIN, flag)
+_VERDICT = Script(scripts.VERDICT, flag)
+_SNAPSHOT = Script(scripts.SNAPSHOT, listed(4))
+_PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT, flag)
+_IN_FLIGHT = Script(scripts.IN_FLIGHT, _per_router)
+_PROBER = Script(scripts.PROBER, flag)
+_UNPROBE = Script(scripts.UNPROBE, flag)
 _PROBING = {True: "probes the engines for the fleet", False: "leaves probing to another router"}
 
 

@@ -64,7 +64,15 @@ from pd_router.errors import RouterError, StateUnavailable, Unavailable, fresh
 from pd_router.fleet.nodes import Node, usable
 from pd_router.fleet.pool import DecodePool, Reservation, Waiter
 from pd_router.shared import scripts
-from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, Script
+from pd_router.shared.redis import (
+    RETRY,
+    Fits,
+    Redis,
+    RedisError,
+    RedisUnavailable,
+    Script,
+    listed,
+)
 
 log = logging.getLogger("pd_router.shared_pool")
 
@@ -87,12 +95,25 @@ HOLD = 0.005
 # then, and a release held back would keep another router's waiter waiting.
 ROOM_FOR = HOLD
 
-_ACQUIRE = Script(scripts.ACQUIRE, 2, each=0)
-_RELEASE = Script(scripts.RELEASE, 2)
-_ABANDON = Script(scripts.ABANDON, 2, 3)
-_RENEW = Script(scripts.RENEW, 5)
-_REGISTER = Script(scripts.REGISTER, 2)
-_REPAIR = Script(scripts.REPAIR)
+
+def notes(bad: Any) -> bool:
+    """Whether ``bad`` is what a script found bad in the store (``noted``): bytes, four to
+    a note."""
+    return isinstance(bad, list) and len(bad) % 4 == 0 and all(type(item) is bytes for item in bad)
+
+
+def noting(*lengths: int) -> Fits:
+    """A reply that is a list of one of ``lengths`` elements, the last the script's notes."""
+    fits = listed(*lengths)
+    return lambda reply: fits(reply) and notes(reply[-1])
+
+
+_ACQUIRE = Script(scripts.ACQUIRE, noting(2), each=0)
+_RELEASE = Script(scripts.RELEASE, noting(2))
+_ABANDON = Script(scripts.ABANDON, noting(2, 3))
+_RENEW = Script(scripts.RENEW, noting(5))
+_REGISTER = Script(scripts.REGISTER, noting(2))
+_REPAIR = Script(scripts.REPAIR, notes)
 # Error replies that say Redis cannot serve now, not that the store holds bad data.
 _TRANSIENT = frozenset(
     {"BUSY", "LOADING", "MASTERDOWN", "READONLY", "OOM", "TRYAGAIN", "CLUSTERDOWN",

@@ -41,7 +41,7 @@ import asyncio
 import hashlib
 import select
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -523,18 +523,32 @@ class Subscription:
         raise _unavailable(self._address, f"not a pub/sub message: {reply!r:.80}")
 
 
+Fits = Callable[[Any], bool]
+
+
+def listed(*lengths: int) -> Fits:
+    """A reply that is a list of one of ``lengths`` elements."""
+    return lambda reply: isinstance(reply, list) and len(reply) in lengths
+
+
+def flag(reply: Any) -> bool:
+    """A reply that is the integer 0 or 1 (Lua's ``return 0``, ``return 1``)."""
+    return type(reply) is int and reply in (0, 1)
+
+
 class Script:
     """A Lua script run by its SHA1 (``EVALSHA``), sent whole only when Redis lacks it.
-    ``lengths``: those its reply, a list, may have (none given: any reply). A script that
-    answers several requests at once is run with ``asked``, their number: its reply's
-    element ``each`` (None: the reply itself) must be a list of as many answers."""
+    ``fits``: whether a reply is one the script gives (``listed``, ``flag``; none given:
+    any reply). A script that answers several requests at once is run with ``asked``,
+    their number: its reply's element ``each`` (None: the reply itself) must be a list of
+    as many answers."""
 
-    __slots__ = ("source", "sha", "lengths", "each")
+    __slots__ = ("source", "sha", "fits", "each")
 
-    def __init__(self, source: str, *lengths: int, each: int | None = None) -> None:
+    def __init__(self, source: str, fits: Fits | None = None, each: int | None = None) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-        self.lengths = lengths
+        self.fits = fits
         self.each = each
 
     async def run(
@@ -558,7 +572,7 @@ class Script:
         return reply
 
     def _fits(self, reply: Any, asked: int | None) -> bool:
-        if self.lengths and not (isinstance(reply, list) and len(reply) in self.lengths):
+        if self.fits is not None and not self.fits(reply):
             return False
         if asked is None:
             return True

@@ -23,7 +23,7 @@ from pd_router.shared.fleet import SharedFleet
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, Script, parse_url
 from tests.fleet.test_registry import Request
-from tests.redis_server import RedisServer
+from tests.redis_server import DroppingProxy, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -38,10 +38,12 @@ async def router(
     decode: Sequence[str] = (D0, D1),
     lease: float = 10.0,
     slots: int = 2,
+    url: str | None = None,
 ) -> AsyncIterator[SharedFleet]:
-    """One router's fleet with its shared pool and shared fleet, background work running."""
+    """One router's fleet with its shared pool and shared fleet, background work running,
+    on ``server`` (through ``url``, if given)."""
     first = make_nodes(prefill, 1, role="prefill")
-    client = Redis(parse_url(server.url), timeout=1.0)
+    client = Redis(parse_url(url or server.url), timeout=1.0)
     fleet = Fleet(
         first,
         make_nodes(decode, slots, first_id=len(first)),
@@ -266,6 +268,42 @@ async def test_redis_away_leaves_the_local_fleet_and_admin_changes_get_a_clear_e
             server.start()
             async with router(server) as b:
                 await until(lambda: state(b, D0) is State.DEAD, 3.0)
+
+
+@pytest.mark.parametrize(
+    "lie", [b"+OK\r\n", b"$-1\r\n", b"*1\r\n:1\r\n"], ids=["status", "nil", "list"]
+)
+async def test_admin_changes_answered_what_no_script_says_get_a_clear_error(
+    redis_server: RedisServer, redis: Redis, lie: bytes
+) -> None:
+    """Every call answered through a proxy with what none of the fleet's scripts says (a
+    proxy's own answer, a server that is not Redis): a drain, a removal and an addition
+    each fail as after a lost reply (the admin's 503: whether it ran is not known), none
+    claimed done nor refused; once the answers are true again, the router's fleet is what
+    Redis holds. Before, a drain answered "+OK" was reported done, one answered nil was
+    refused as "not in the shared fleet", and a removal failed on the reply's bytes (a
+    500)."""
+    proxy = DroppingProxy(redis_server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with router(redis_server, url=f"redis://127.0.0.1:{port}/0") as a:
+            d0, d1 = a.fleet.node(1), a.fleet.node(2)
+            assert d0 is not None and d1 is not None
+            await a.drain(d1)  # answered truly: the removal below is then allowed
+            proxy.lying = lie
+            for change in (
+                lambda: a.drain(d0),
+                lambda: a.remove(d1, False),
+                lambda: a.add("http://d9:1", "decode", 2, {}),
+            ):
+                with pytest.raises(StateUnavailable, match="not the script's"):
+                    await change()
+            assert proxy.lied >= 3
+            proxy.lying = None
+            # The scripts ran behind the proxy: the router learns it from Redis.
+            await until(lambda: state(a, D0) is State.DRAINING, 15.0)
+            await until(lambda: ids(a) == {P0: 0, D0: 1, "http://d9:1": 3}, 15.0)
+        tg.cancel_scope.cancel()
 
 
 async def test_one_router_probes_for_the_fleet_and_another_takes_over_when_it_stops(
