@@ -43,7 +43,7 @@ from pd_router.fleet.membership import GONE, Background, Record, Verdict, apply
 from pd_router.fleet.nodes import Node, Role, State
 from pd_router.fleet.registry import Fleet
 from pd_router.shared import scripts
-from pd_router.shared.pool import SharedPool, noting
+from pd_router.shared.pool import SharedPool, answered, noting
 from pd_router.shared.redis import RETRY, RedisError, RedisUnavailable, Script, flag, listed
 
 log = logging.getLogger("pd_router.shared_fleet")
@@ -387,10 +387,7 @@ class SharedFleet:
         except RedisError as error:
             # Logged, never shown: an admin's answer carries no script's error text.
             log.error("shared fleet: redis %s answered: %s", self.redis.settings.address, error)
-            raise StateUnavailable(
-                f"shared state unavailable: redis {self.redis.settings.address} answered "
-                f"{error.code} (the router's log says more)"
-            ) from None
+            raise answered(self.redis, error) from None
 
 
 def _counts(pairs: list[bytes]) -> dict[int, int]:

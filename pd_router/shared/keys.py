@@ -29,12 +29,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from pd_router.errors import StateUnavailable, fresh
 from pd_router.fleet.keys import KeyLimits, refused
 from pd_router.shared import scripts
-from pd_router.shared.pool import LEASE
+from pd_router.shared.pool import LEASE, SharedPool, answered, noting
 from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, Script
 
 log = logging.getLogger("pd_router.shared_keys")
 
-_SYNC = Script(scripts.KEYS_SYNC)
+_SYNC = Script(scripts.KEYS_SYNC, noting(2), each=0)
 # The asks of a call that neither answered nor failed on the store (``_work`` stopped).
 _INTERRUPTED = StateUnavailable("shared state unavailable: the call for the key counts ended")
 
@@ -63,6 +63,8 @@ class SharedKeyLimits(KeyLimits):
         jobs: tuple[MemoryObjectSendStream[_Job], MemoryObjectReceiveStream[_Job]]
         jobs = anyio.create_memory_object_stream(math.inf)
         self._jobs, self._pending = jobs
+        # The error reply logged last, until a call succeeds.
+        self._failing: str | None = None
 
     def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
         return [("the shared key counts", self._work)]
@@ -129,10 +131,20 @@ class SharedKeyLimits(KeyLimits):
         for ask in asks:
             args += [ask.name, str(ask.limit)]
         try:
-            reply = await _SYNC.run(self.redis, (), args, asked=len(asks))
-        except (RedisUnavailable, RedisError) as exc:
+            replies, bad = await _SYNC.run(self.redis, (), args, asked=len(asks))
+        except RedisUnavailable as exc:
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
-        for ask, counted in zip(asks, reply, strict=True):
+        except RedisError as error:
+            # Per request: logged once while it lasts, and never its text to a client.
+            if str(error) != self._failing:
+                self._failing = str(error)
+                log.error(
+                    "shared key counts: redis %s answered: %s", self.redis.settings.address, error
+                )
+            raise answered(self.redis, error) from None
+        self._failing = None
+        SharedPool.noted(bad)
+        for ask, counted in zip(asks, replies, strict=True):
             if counted:
                 ask.counted = True
                 self.in_flight[ask.name] = self.in_flight.get(ask.name, 0) + 1

@@ -102,6 +102,14 @@ def notes(bad: Any) -> bool:
     return isinstance(bad, list) and len(bad) % 4 == 0 and all(type(item) is bytes for item in bad)
 
 
+def answered(redis: Redis, error: RedisError) -> StateUnavailable:
+    """The 503 for an error reply: its code, never its text (which the caller logs)."""
+    return StateUnavailable(
+        f"shared state unavailable: redis {redis.settings.address} answered {error.code} "
+        "(the router's log says more)"
+    )
+
+
 def noting(*lengths: int) -> Fits:
     """A reply that is a list of one of ``lengths`` elements, the last the script's notes."""
     fits = listed(*lengths)
@@ -478,10 +486,7 @@ class SharedPool(DecodePool):
         if str(error) != self._failing:
             self._failing = str(error)
             log.error("shared state: redis %s answered: %s", self.redis.settings.address, error)
-        return StateUnavailable(
-            f"shared state unavailable: redis {self.redis.settings.address} answered "
-            f"{error.code} (the router's log says more)"
-        )
+        return answered(self.redis, error)
 
     async def _repair(self) -> None:
         """Keys of a wrong type deleted, counts made again, what this router holds and

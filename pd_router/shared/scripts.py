@@ -703,26 +703,42 @@ FLEET_CHANNEL = "{pdr}:fleet"
 # * ``{pdr}:key-holders``  sorted set: routers holding some, scored by when their lease ends
 
 # ARGV: router, lease ms, n, n pairs of (key name, requests held), then pairs of (key name,
-# max_in_flight) asked for, in order -> per ask 1 (counted) or 0 (at its limit).
+# max_in_flight) asked for, in order -> {per ask 1 (counted) or 0 (at its limit), notes}.
 # The router's own counts are replaced by what it says it holds, never added to: a call
 # whose reply was lost, or a release that never arrived, is undone by the router's next call.
 KEYS_SYNC = _COMMON + """
 local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local holders, own = P .. 'key-holders', P .. 'keys:' .. router
+-- Whether key is of kind; one of another type is deleted and noted (every router writes
+-- its own counts again at its next call, and enters the holders then).
+local function kept(key, kind)
+  local is = redis.call('TYPE', key)['ok']
+  if is == 'none' or is == kind then return is == kind end
+  redis.call('DEL', key)
+  note(key, '', 'a ' .. is, 'deleted')
+  return false
+end
 local now = now_ms()
-redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
+if kept(holders, 'zset') then redis.call('ZREMRANGEBYSCORE', holders, '-inf', now) end
 redis.call('DEL', own)
 for i = 0, n - 1 do redis.call('HSET', own, ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
 local others = {}
 for _, other in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
-  if other ~= router then others[#others + 1] = P .. 'keys:' .. other end
+  local key = P .. 'keys:' .. other
+  if other ~= router and kept(key, 'hash') then others[#others + 1] = key end
 end
 local counted = {}
 for i = 4 + 2 * n, #ARGV, 2 do
   local name, limit = ARGV[i], tonumber(ARGV[i + 1])
   local total = tonumber(redis.call('HGET', own, name) or '0')
   for _, key in ipairs(others) do
-    total = total + tonumber(redis.call('HGET', key, name) or '0')
+    local held = count(key, name)
+    if not held then
+      -- Until its router writes its counts again, within a third of its lease.
+      note(key, name, redis.call('HGET', key, name), 'counted as 0')
+      held = 0
+    end
+    total = total + held
   end
   if total < limit then
     redis.call('HINCRBY', own, name, 1)
@@ -737,5 +753,5 @@ if redis.call('EXISTS', own) == 1 then
 else
   redis.call('ZREM', holders, router)
 end
-return counted
+return {counted, bad}
 """

@@ -8,6 +8,7 @@ reply was lost, a router that died holding requests.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -84,7 +85,7 @@ async def test_a_call_whose_reply_was_lost_is_undone_by_the_routers_next_call(
         # first's call ran in Redis, but its reply never reached it (a timeout): Redis
         # counts a request first does not know it has.
         lost = [first.router_id, "10000", "0", "carol", "1"]
-        assert await keys._SYNC.run(redis, (), lost) == [1]
+        assert await keys._SYNC.run(redis, (), lost) == [[1], []]
         assert not await admitted(second, "carol", 1)
         # first's next call, for any key, writes what it really holds.
         assert await admitted(first, "alice", 5)
@@ -152,6 +153,57 @@ async def test_a_reply_no_script_gives_refuses_with_503_and_holds_no_one(
             proxy.lying = None
             await eventually_admitted(limits, "carol", 1)
         tg.cancel_scope.cancel()
+
+
+async def test_bad_values_in_the_key_counts_are_logged_and_serving_goes_on(
+    redis: Redis, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the store holds is not trusted, as for the slot pool: the holders of another
+    type, another router's counts of another type or not a count. Each is logged at ERROR,
+    its key named, and deleted or counted as 0 until its router writes it again; requests
+    are served meanwhile. Before, each failed the script: every request of a limited key
+    got a 503 carrying Redis's own error text, nothing was logged, nothing repaired."""
+    caplog.set_level(logging.ERROR)
+    far = str(10**13)  # ms: a lease that has not ended
+    async with router(redis_server) as limits:
+        await redis.call("SET", "{pdr}:key-holders", "oops")
+        assert await admitted(limits, "carol", 1)
+        assert "{pdr}:key-holders held 'a string', not what it should: deleted" in caplog.text
+        assert await redis.call("TYPE", "{pdr}:key-holders") in ("none", "zset")
+        await redis.call("ZADD", "{pdr}:key-holders", far, "other", far, "third")
+        await redis.call("HSET", "{pdr}:keys:other", "carol", "x")
+        await redis.call("SET", "{pdr}:keys:third", "y")
+        assert await admitted(limits, "carol", 1)
+        assert "{pdr}:keys:other field 'carol' held 'x', not what it should: counted as 0" in (
+            caplog.text
+        )
+        assert "{pdr}:keys:third held 'a string', not what it should: deleted" in caplog.text
+        # What is a count still counts: another router's request holds carol's one place.
+        await redis.call("HSET", "{pdr}:keys:other", "carol", "1")
+        assert not await admitted(limits, "carol", 1)
+
+
+async def test_an_error_reply_is_a_503_without_its_text_logged_once(
+    redis: Redis, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses the script (here a master demoted to a replica, as in a failover):
+    each request gets a 503 naming the error's code only, never Redis's text (README: logged,
+    never sent), logged once while it lasts; once Redis takes writes again, the key is
+    counted again. Before, the text went to every client and nothing was logged."""
+    caplog.set_level(logging.ERROR)
+    async with router(redis_server) as limits:
+        await redis.call("REPLICAOF", "127.0.0.1", "9")  # a master nobody can reach
+        try:
+            for _ in range(3):
+                with pytest.raises(StateUnavailable) as refused:
+                    await limits.enter("carol", 2)
+                assert "answered READONLY" in str(refused.value)
+                assert "replica" not in str(refused.value)
+        finally:
+            await redis.call("REPLICAOF", "NO", "ONE")
+        assert caplog.text.count("read only replica") == 1, caplog.text
+        assert limits.in_flight == {}
+        await eventually_admitted(limits, "carol", 2)
 
 
 async def test_a_router_stopping_answers_every_ask_it_holds(
