@@ -160,6 +160,10 @@ class ClientProtocol(HttpToolsProtocol):
         self._timer: TimerHandle | None = None
         # Body bytes in the current window.
         self._got = 0
+        # The requests of this connection whose response is not complete, oldest first:
+        # uvicorn's ``cycle`` is the newest, and a request pipelined behind the one being
+        # answered takes that place.
+        self._cycles: list[Any] = []
 
     def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -179,10 +183,15 @@ class ClientProtocol(HttpToolsProtocol):
         self.stats.open -= 1
         self._unwatch()
         super().connection_lost(exc)
-        if self.cycle is not None and self.cycle.disconnected:
-            _departure(self.cycle.scope).left(self.loop.time())
-        for cycle, _ in self.pipeline:  # requests queued behind it, never to be answered
-            _departure(cycle.scope).left(self.loop.time())
+        # uvicorn tells only its ``cycle``, the newest request: one being answered with
+        # another pipelined behind it would stream on into the closed connection, its slot
+        # and engine held to the end. Queued ones are never to be answered.
+        now = self.loop.time()
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+                _departure(cycle.scope).left(now)
 
     def data_received(self, data: bytes) -> None:
         self._receive(data)
@@ -232,6 +241,8 @@ class ClientProtocol(HttpToolsProtocol):
         self.scope["extensions"] = extensions
         super().on_headers_complete()
         if self.cycle is not previous:  # not an upgrade: a request to answer
+            self._cycles = [cycle for cycle in self._cycles if not cycle.response_complete]
+            self._cycles.append(self.cycle)
             held = HeadWithBody(self.transport, self.loop)
             self.cycle.transport = held  # type: ignore[assignment]
             extensions[WIRE] = Wire(held, self._flow, departure)
@@ -248,9 +259,11 @@ class ClientProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answer to bytes that are not HTTP is plain text; the router's
-        # errors are all OpenAI-shaped JSON.
+        # errors are all OpenAI-shaped JSON. Behind a response still being written (bytes
+        # sent while a stream runs) none: it would land inside that response's body.
         self._flush_head()
-        self.transport.write(_answer(BadRequest(msg)))
+        if self._may_answer():
+            self.transport.write(_answer(BadRequest(msg)))
         self.transport.close()
 
     def shutdown(self) -> None:

@@ -279,3 +279,57 @@ def test_bytes_that_are_not_http_get_an_openai_shaped_400(fleet: SimFleet) -> No
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
         assert ends(sock, 5) == b""
         assert complete(router, "after the garbage").status_code == 200
+
+
+# A stream far longer than any wait here (0.05 s a token): a slot freed before its end was
+# freed because its client left.
+ENDLESS = json.dumps(
+    {"model": "sim-model", "prompt": "endless", "max_tokens": 4000, "stream": True}
+).encode()
+
+
+def streaming(router: RouterProcess, then: bytes = b"") -> socket.socket:
+    """A connection whose stream of ``ENDLESS`` has begun, ``then`` sent right behind it."""
+    sock = connect(router)
+    sock.sendall(request(ENDLESS) + then)
+    sock.settimeout(10)
+    first = sock.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200 "), first
+    return sock
+
+
+def test_a_client_leaving_with_a_request_pipelined_behind_its_stream_frees_its_slot(
+    fleet: SimFleet,
+) -> None:
+    """The client pipelines a second request behind a stream, then leaves mid-stream: the
+    stream's request ends as a client gone, its slot freed and its engine let go, as
+    without the second request. Before, uvicorn told only the newest request of the
+    connection (the queued one): the stream went on into the closed connection until the
+    engine finished, its slot held all along, and was logged ``ok``."""
+    with router_for(fleet) as router:
+        before = router.metrics()
+        streaming(router, then=request()).close()
+        aborted = "pd_router_requests_total{endpoint=completions,outcome=client_aborted}"
+        wait_for(
+            lambda: router.metrics()[aborted] - before[aborted] == 1,
+            what="the stream's request to end as its client gone",
+        )
+        router.assert_idle()
+        assert complete(router, "after").status_code == 200
+        assert "failed inside the router" not in router.log()
+
+
+def test_bytes_that_are_not_http_behind_a_stream_end_it_without_an_answer_inside_it(
+    fleet: SimFleet,
+) -> None:
+    """Bytes that are not HTTP arrive while a stream is being answered on the connection:
+    the connection is closed (the stream's request ends as its client gone), and no 400 is
+    written into the stream's body. Before, a 400's head and JSON came in the middle of the
+    chunked stream."""
+    with router_for(fleet) as router:
+        sock = streaming(router)
+        sock.sendall(b"BOGUS\x00 / HTTP/1.1\r\n\r\n")
+        rest = ends(sock, LATE)
+        assert b"HTTP/1.1 400" not in rest and b"invalid_request_error" not in rest, rest[-300:]
+        router.assert_idle()
+        assert complete(router, "after").status_code == 200
