@@ -602,7 +602,7 @@ class Relay:
             try:
                 ready = events.feed(data)
             except ValueError as exc:
-                raise UpstreamError(f"{answer.url}: {exc}") from None
+                raise _event_too_large(answer, exc) from None
             if ready:
                 if trace is not None:
                     # Events end with a blank line; inside one, line breaks are escaped.
@@ -642,7 +642,7 @@ class Relay:
         finally:
             client.when_writable(None)
         if pour.error is not None:
-            raise UpstreamError(f"{answer.url}: {pour.error}")
+            raise _event_too_large(answer, pour.error)
         if events.done:
             await client.end_events(pour.last)
 
@@ -729,6 +729,13 @@ def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receiv
 
 
 _watchers: set[asyncio.Task[None]] = set()
+
+
+def _event_too_large(answer: Response, error: ValueError) -> UpstreamError:
+    """An event over ``MAX_EVENT_BYTES``: what this request asked for (vLLM sends the whole
+    prompt's logprobs in one event for ``echo`` with ``logprobs``), as an answer over
+    ``--max-response-bytes`` is: no evidence against the engine."""
+    return UpstreamError(f"{answer.url}: {error}", code="event_too_large", kind="too_large")
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -420,3 +420,34 @@ def test_other_routes_and_methods_get_openai_errors_not_redirects(
     response = httpx.request(method, router.url + path, headers={"host": "evil.example"})
     assert response.status_code == status and says in error_of(response)["message"]
     assert "location" not in response.headers
+
+
+def test_events_over_the_limit_fail_their_own_requests_and_say_nothing_against_the_engine(
+    prefill: SimFleet, liar: LyingEngine
+) -> None:
+    """A stream whose event passes 1 MiB (vLLM sends a long prompt's logprobs in one event
+    for ``echo`` with ``logprobs``) is what its request asked for, as an answer over
+    ``--max-response-bytes`` is: each such request ends in one error event, and the engine
+    stays serving for everyone else, its health judged as by default. Before, each counted
+    as hard evidence (a ``protocol`` error): three made a healthy decode node dead, and
+    every other request on it failed with it."""
+    liar.lies["huge"] = then(1, chunk(b"data: " + b"x" * (2 << 20)), hold=True)
+    with RouterProcess([prefill.prefill[0].url], [liar.url], "--decode-slots", "4") as router:
+        url = f"{router.url}/v1/completions"
+        for _ in range(4):
+            response = httpx.post(url, json=lie("huge", stream=True), timeout=30)
+            assert b"event_too_large" in response.content, response.content[-300:]
+        assert httpx.post(url, json=BODY, timeout=30).status_code == 200
+        metrics = router.metrics()
+        errors = {
+            key.split("kind=")[1].split(",")[0]: value
+            for key, value in metrics.items()
+            if key.startswith("pd_router_upstream_errors_total") and value
+        }
+        assert errors == {"too_large": 4}, errors
+        serving = [
+            key
+            for key, value in metrics.items()
+            if key.startswith("pd_router_node_state") and value
+        ]
+        assert all("state=serving" in key for key in serving), serving
