@@ -18,6 +18,8 @@ from typing import Any
 import anyio
 import orjson
 
+from pd_router.errors import StateUnavailable
+from pd_router.shared.pool import answered
 from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable
 
 log = logging.getLogger("pd_router.remote_abort")
@@ -39,7 +41,8 @@ class RemoteAborts:
         self._waiting: dict[str, tuple[anyio.Event, list[Outcome]]] = {}
 
     async def abort(self, request_id: str) -> Outcome | None:
-        """Abort ``request_id`` on the router that holds it; None if none answered."""
+        """Abort ``request_id`` on the router that holds it; None if none answered.
+        ``StateUnavailable`` if the others cannot be asked."""
         token = secrets.token_hex(8)
         done, answers = self._waiting[token] = (anyio.Event(), [])
         ask = {"id": request_id, "router": self.router_id, "token": token}
@@ -47,6 +50,11 @@ class RemoteAborts:
             await self.redis.call("PUBLISH", CHANNEL, orjson.dumps(ask))
             with anyio.move_on_after(WAIT):
                 await done.wait()
+        except RedisUnavailable as exc:
+            raise StateUnavailable(f"shared state unavailable: {exc}") from None
+        except RedisError as error:
+            log.error("abort: redis %s answered: %s", self.redis.settings.address, error)
+            raise answered(self.redis, error) from None
         finally:
             del self._waiting[token]
         return answers[0] if answers else None

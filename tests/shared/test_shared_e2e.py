@@ -145,7 +145,7 @@ def test_a_killed_router_gives_its_slots_back_within_the_lease(
 def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
     fleet: SimFleet, redis_server: RedisServer
 ) -> None:
-    with routers(fleet, redis_server, 1) as (router,):
+    with routers(fleet, redis_server, 1, "--admin-token", "admin") as (router,):
         answers: list[httpx.Response] = []
         long = {**STREAM, "max_tokens": 100}
         before = threading.Thread(target=lambda: answers.append(stream(router.url, long)))
@@ -156,6 +156,12 @@ def test_redis_away_is_a_503_for_new_requests_and_streams_in_flight_go_on(
         assert refused.status_code == 503
         assert json.loads(refused.text)["error"]["code"] == "shared_state_unavailable"
         wait_for(lambda: httpx.get(f"{router.url}/health").status_code == 503, what="/health 503")
+        # An abort of a request this router does not hold asks the others through Redis:
+        # a 503 as for any admin change (before: a plain-text 500).
+        url = f"{router.url}/admin/requests/elsewhere/abort"
+        unasked = httpx.post(url, headers={"authorization": "Bearer admin"})
+        assert unasked.status_code == 503, unasked.text
+        assert unasked.json()["error"]["code"] == "shared_state_unavailable"
         before.join(30)
         assert answers[0].status_code == 200 and answers[0].text.endswith("data: [DONE]\n\n")
         redis_server.start()
