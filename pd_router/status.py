@@ -210,11 +210,22 @@ def _note(node: NodeRow) -> str:
     return f"{why} last error: {node.last_error}" if node.last_error else why
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: urllib would follow it with the admin token to wherever it
+    names (another host, or from https to http)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects())
+
+
 def fetch(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(url, headers=headers)
-    # The scheme was checked to be http(s) in main: urlopen cannot be pointed at a file.
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # nosec B310
+    # The scheme was checked to be http(s) in main: the opener cannot be pointed at a file.
+    with _OPENER.open(request, timeout=timeout) as response:  # nosec B310
         body: bytes = response.read()
         return body
 

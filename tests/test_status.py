@@ -4,9 +4,11 @@ the parsing of its sources, without a server."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import subprocess  # nosec B404
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -388,3 +390,41 @@ def test_status_of_routers_sharing_a_state_counts_every_routers_slots(
     assert header[:6] == ["ID", "ROLE", "STATE", "SLOTS", "FAILURES", "REQUESTS"]
     assert header[-1] == "MODELS" and row[-1] == "sim-model"
     assert row[1:6] == ["decode", "serving", "2/2", "0", "2"]
+
+
+def test_a_redirect_is_an_error_and_the_token_goes_nowhere_else() -> None:
+    """A router URL that answers with a redirect (a proxy's, a misconfigured ingress'): the
+    status command says so and fails; the admin token is never sent where the redirect
+    points. Before, urllib followed it with the Authorization header, to any host."""
+    heard: list[str | None] = []
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            heard.append(self.headers.get("authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    elsewhere = http.server.HTTPServer(("127.0.0.1", 0), Elsewhere)
+    target = f"http://127.0.0.1:{elsewhere.server_port}/admin/nodes"
+
+    class Redirecting(Elsewhere):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("location", target)
+            self.end_headers()
+
+    redirecting = http.server.HTTPServer(("127.0.0.1", 0), Redirecting)
+    for server in (elsewhere, redirecting):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{redirecting.server_port}"
+        done = status("--url", url, "--admin-token", "s3cret")
+        assert done.returncode == 1 and "302" in done.stderr, done.stderr
+        assert heard == [] and "s3cret" not in done.stderr
+    finally:
+        for server in (elsewhere, redirecting):
+            server.shutdown()
+            server.server_close()
