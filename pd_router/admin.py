@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pd_router.errors import Aborted, StateUnavailable
+from pd_router.edge.auth import bearer
+from pd_router.errors import Aborted, StateUnavailable, Unauthorized
 from pd_router.fleet.membership import LocalMembership, Membership
 from pd_router.fleet.nodes import Node, State, check_labels, normalise_url
 from pd_router.fleet.registry import Fleet
@@ -89,12 +90,17 @@ def admin_routes(
     probe, made before the answer."""
     fleet = router.fleet
     members = membership or LocalMembership(fleet)
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     def guarded(handler: Handler) -> Handler:
         async def check(request: Request) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            # The header as the client sent it, parsed as a client key's is.
+            given = [value for name, value in request.scope["headers"] if name == b"authorization"]
+            try:
+                valid = hmac.compare_digest(bearer(given), expected)
+            except Unauthorized:
+                valid = False
+            if not valid:
                 return _error(401, "a valid admin bearer token is required", "unauthorized")
             try:
                 return await handler(request)

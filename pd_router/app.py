@@ -79,7 +79,7 @@ class OpenAIRoute:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = b""
         rid_header: str | None = None
-        authorization: bytes | None = None
+        authorization: list[bytes] = []
         via: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -89,7 +89,7 @@ class OpenAIRoute:
             elif name == hops.HEADER:
                 via = value if via is None else via + b"," + value
             elif name == b"authorization":
-                authorization = value
+                authorization.append(value)
         rid = request_id(rid_header)
         key = None
         tracer = self.router.tracer
@@ -158,10 +158,9 @@ class RouterApp:
             if self.keys is not None and scope["path"].startswith("/v1/"):
                 # Every /v1/ path, /v1/models and those that do not exist included: without
                 # a key, a client learns nothing, not even which paths there are.
-                authorization = next(
-                    (value for name, value in scope["headers"] if name == b"authorization"),
-                    None,
-                )
+                authorization = [
+                    value for name, value in scope["headers"] if name == b"authorization"
+                ]
                 try:
                     self.keys.keys.check(authorization)
                 except Unauthorized as error:

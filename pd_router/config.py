@@ -40,6 +40,8 @@ NODE_TABLE_KEYS = ("url", "slots", "labels")
 # Names to discover nodes by (``discovery/rules.py``): each role's alternative to a node list.
 DNS_KEYS = ("prefill_dns", "decode_dns")
 DNS_TABLE_KEYS = ("name", "port", "slots", "labels")
+# Settings whose value no message repeats: tokens, and a URL that may carry a password.
+SECRETS = frozenset({"admin_token", "engine_api_key", "state"})
 
 # The flags' type functions that read a number (``reads_number``).
 _NUMBERS: set[Callable[[str], Any]] = {int, float}
@@ -287,7 +289,9 @@ def _scalar(option: Option, value: object, where: str) -> str:
             raise ConfigError(f"{where}: expected a number, got {_spelled(value)}")
         return str(value)  # the type function checks its range (and that it is whole)
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {_spelled(value)}")
+        # A token written as a number is a token still: its kind is said, never it.
+        shown = _kind(value) if option.key in SECRETS else _spelled(value)
+        raise ConfigError(f"{where}: expected a string, got {shown}")
     return value
 
 
@@ -300,6 +304,15 @@ def _one_or_array(value: object, where: str, what: str, single: tuple[type, ...]
             f"{where}: expected {what}, or a non-empty array of them, got {_spelled(value)}"
         )
     return value
+
+
+def _kind(value: object) -> str:
+    """A TOML value's kind, for a setting whose value is never shown."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    return _spelled(value) if isinstance(value, list | dict) else "a value"
 
 
 def _spelled(value: object) -> str:

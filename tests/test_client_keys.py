@@ -114,6 +114,14 @@ def test_without_a_valid_key_every_v1_request_is_refused_before_anything(
         missing = httpx.get(f"{router.url}/v1/nothing-here")
         assert missing.status_code == 401
         assert missing.headers["www-authenticate"] == "Bearer"
+        # Two Authorization headers, the valid key in either, on either kind of route:
+        # refused alike (before, POST routes read the last, the others the first).
+        for pair in ([f"Bearer {ALICE}", "Bearer sk-wrong"], [f"Bearer {ALICE}"] * 2):
+            twice = [("authorization", value) for value in pair]
+            for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+                answer = httpx.request(method, f"{router.url}{path}", headers=twice, json={})
+                assert answer.status_code == 401, (pair, path, answer.text)
+                assert "more than one Authorization header" in answer.text
         # Probes and scrapers need no key.
         assert httpx.get(f"{router.url}/health").status_code == 200
         metrics = router.metrics()
@@ -121,7 +129,7 @@ def test_without_a_valid_key_every_v1_request_is_refused_before_anything(
         assert metrics["pd_router_slot_acquisitions_total"] == 0
         assert all(engine.stats()["requests"] == 0 for engine in fleet.engines)
         assert (
-            metrics["pd_router_requests_total{endpoint=completions,key=,outcome=unauthorized}"] == 6
+            metrics["pd_router_requests_total{endpoint=completions,key=,outcome=unauthorized}"] == 8
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pd_router.errors import Unauthorized
@@ -56,21 +57,30 @@ class Keys:
     def __len__(self) -> int:
         return len(self.by_digest)
 
-    def check(self, authorization: bytes | None) -> Key:
-        """The key an ``Authorization`` header value carries, or ``Unauthorized``."""
-        if authorization is None:
-            raise Unauthorized(
-                "no API key: send it as 'Authorization: Bearer <key>' "
-                "(the openai SDK's api_key does)"
-            )
-        scheme, _, token = authorization.strip().partition(b" ")
-        token = token.strip()
-        if scheme.lower() != b"bearer" or not token:
-            raise Unauthorized("the Authorization header must be 'Bearer <key>'")
-        key = self.by_digest.get(hashlib.sha256(token).digest())
+    def check(self, authorization: Sequence[bytes]) -> Key:
+        """The key a request's ``Authorization`` header values carry, or ``Unauthorized``."""
+        key = self.by_digest.get(hashlib.sha256(bearer(authorization)).digest())
         if key is None:
             raise Unauthorized("invalid API key")
         return key
+
+
+def bearer(authorization: Sequence[bytes]) -> bytes:
+    """The token of a request's one ``Authorization: Bearer <token>`` header (the scheme in
+    any case, spaces around the token as clients vary them), given its values; else
+    ``Unauthorized``. Two are refused: which one counts would depend on who reads them (a
+    gateway in front may add its own)."""
+    if not authorization:
+        raise Unauthorized(
+            "no API key: send it as 'Authorization: Bearer <key>' (the openai SDK's api_key does)"
+        )
+    if len(authorization) > 1:
+        raise Unauthorized("more than one Authorization header")
+    scheme, _, token = authorization[0].strip().partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token:
+        raise Unauthorized("the Authorization header must be 'Bearer <key>'")
+    return token
 
 
 def parse(text: str) -> Keys:
@@ -101,7 +111,9 @@ def parse(text: str) -> Keys:
             if not option.startswith(_LIMIT) or limit is not None:
                 raise KeyFileError(f"{where}: unknown or repeated option ({_FORMAT})")
             value = option[len(_LIMIT) :]
-            if not value.isdigit() or int(value) < 1:
+            # ASCII digits only: str.isdigit() takes superscripts (int() does not) and
+            # other scripts' digits (int() reads them).
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise KeyFileError(f"{where}: max_in_flight must be a whole number >= 1")
             limit = int(value)
         names.add(name)

@@ -122,6 +122,10 @@ def parse_url(url: str) -> Settings:
     if parts.query or parts.fragment:
         # Not shown: some clients take the password from a query parameter.
         raise ValueError("a Redis URL takes no ?query or #fragment")
+    if "@" in parts.path:
+        # A / in the password ended the host part there: the host part and the path hold
+        # pieces of the password, and neither is shown.
+        raise ValueError("a / in a Redis URL's password must be written %2F")
     host_port = parts.netloc.rpartition("@")[2]
     if not parts.hostname:
         raise ValueError(f"a Redis URL needs a host ({host_port!r} given)")

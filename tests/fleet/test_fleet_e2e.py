@@ -269,6 +269,13 @@ def test_admin_needs_its_token(fleet: SimFleet) -> None:
         assert httpx.get(f"{router.url}/admin/nodes").status_code == 401
         wrong = httpx.get(f"{router.url}/admin/nodes", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+        # The token parsed as a client key is: the scheme in any case, spaces before it.
+        token = AUTH["Authorization"].removeprefix("Bearer ")
+        for spelled in (f"bearer {token}", f"BEARER  {token}"):
+            nodes = httpx.get(f"{router.url}/admin/nodes", headers={"Authorization": spelled})
+            assert nodes.status_code == 200, spelled
+        twice = [("authorization", AUTH["Authorization"]), ("authorization", "Bearer nope")]
+        assert httpx.get(f"{router.url}/admin/nodes", headers=twice).status_code == 401
     with RouterProcess([fleet.prefill[0].url], [fleet.decode[0].url]) as router:
         assert httpx.get(f"{router.url}/admin/nodes", headers=AUTH).status_code == 404
 

@@ -80,12 +80,17 @@ def test_parse_url() -> None:
         ("redis://:pw@host:0", r"from 1 to 65535 \('host:0'\)"),
         ("redis://:pw@host/zero", "a database number"),
         ("redis://user@host", "needs a password"),
+        # A / in the password cuts the URL there: neither piece is shown (they were).
+        ("redis://user:p/w@host:6379/0", "must be written %2F"),
+        ("redis://:p/w@host", "must be written %2F"),
+        ("redis://user:pw/@host", "must be written %2F"),
     ],
 )
 def test_bad_urls_say_what_is_wrong_and_not_the_password(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as caught:
         parse_url(url)
     assert "pw" not in str(caught.value)
+    assert "p/w" not in str(caught.value) and "'p'" not in str(caught.value)
 
 
 # ---------------------------------------------------------------------- commands
