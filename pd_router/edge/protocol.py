@@ -229,6 +229,16 @@ class ClientProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        if self.parser.should_upgrade() and not self._should_upgrade():
+            # An upgrade the router does not speak (h2c, ``curl --http2``): the parser hands
+            # whatever follows the head to the new protocol, so the body would be lost and a
+            # valid request read as empty, the connection unusable after it.
+            error = BadRequest(
+                "this router speaks HTTP/1.1 only: send the request without 'Upgrade' "
+                "(curl: --http1.1, not --http2)"
+            )
+            self._close_with(None, error)
+            return
         self._phase = "body"
         # The body's window starts with it; its timer, if the body does not end in this
         # read, at the read's end (``data_received``).
@@ -248,10 +258,14 @@ class ClientProtocol(HttpToolsProtocol):
             extensions[WIRE] = Wire(held, self._flow, departure)
 
     def on_body(self, body: bytes) -> None:
+        if self._phase == "closing":
+            return
         self._got += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._phase == "closing":
+            return  # refused at its head: no request of it runs
         self._phase = "idle"
         self._head = 0
         self._unwatch()
@@ -320,8 +334,10 @@ class ClientProtocol(HttpToolsProtocol):
         if self.cycle is not None and isinstance(self.cycle.transport, HeadWithBody):
             self.cycle.transport.flush()
 
-    def _close_with(self, reason: str, error: RouterError) -> None:
-        self.stats.closed[reason] += 1
+    def _close_with(self, reason: str | None, error: RouterError) -> None:
+        """``reason``: the limit that closed the connection, counted (None: no limit)."""
+        if reason is not None:
+            self.stats.closed[reason] += 1
         self._flush_head()
         if self._may_answer():
             self.transport.write(_answer(error))

@@ -333,3 +333,25 @@ def test_bytes_that_are_not_http_behind_a_stream_end_it_without_an_answer_inside
         assert b"HTTP/1.1 400" not in rest and b"invalid_request_error" not in rest, rest[-300:]
         router.assert_idle()
         assert complete(router, "after").status_code == 200
+
+
+def test_an_h2c_upgrade_offer_gets_a_400_that_says_so(fleet: SimFleet) -> None:
+    """``curl --http2`` on http:// offers an upgrade to h2c with its request: the router
+    speaks HTTP/1.1 only, and says so. Before, the parser gave the body to the upgrade: a
+    valid request got 400 "request body is empty", and the connection answered nothing
+    more."""
+    body = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 2}).encode()
+    offer = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nConnection: Upgrade, HTTP2-Settings"
+        b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with router_for(fleet) as router:
+        sock = connect(router)
+        sock.sendall(offer)
+        status, headers, answer = read_response(sock)
+        assert (status, headers["connection"]) == (400, "close")
+        assert "HTTP/1.1 only" in answer["error"]["message"], answer
+        assert ends(sock, LATE) == b""
+        assert complete(router, "after").status_code == 200
+        assert "Traceback" not in router.log()
