@@ -51,8 +51,9 @@ from pd_router.errors import (
 from pd_router.fleet.membership import LocalMembership, Membership
 from pd_router.fleet.models import listing as model_listing
 from pd_router.fleet.nodes import Node
+from pd_router.ops import logs
 from pd_router.ops.lag import LoopLag
-from pd_router.relay import Relay, Router
+from pd_router.relay import Relay, Router, refused_line
 from pd_router.shared.abort import RemoteAborts
 from pd_router.shared.fleet import SharedFleet
 from pd_router.shared.placements import SharedPlacements
@@ -107,6 +108,7 @@ class OpenAIRoute:
                 self.router.telemetry.count(self.endpoint, "client_aborted", _name(key))
                 if trace is not None:
                     trace.finish(rid, "client_aborted", 0, None)
+                self._log(rid, key, "client_aborted", 0, 0)
                 return
             body = parse_body(raw, self.endpoint)
             relay = Relay(self.router, self.endpoint, body, rid, onward, trace, key)
@@ -118,9 +120,15 @@ class OpenAIRoute:
             answer = ClientStream(rid)
             answer.attach(send)
             await answer.fail(error)
+            if outcome != "unauthorized":  # counted only: a client without a key writes no log
+                self._log(rid, key, outcome, error.status, answer.bytes_sent)
             return
         del raw  # the relay lets go of the request once the engines have it
         await relay(scope, receive, send)
+
+    def _log(self, rid: str, key: Key | None, outcome: str, status: int, sent: int) -> None:
+        line = refused_line(rid, _name(key) or None, self.endpoint, outcome, status, sent)
+        logs.request_finished(line)
 
 
 class RouterApp:

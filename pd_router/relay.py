@@ -76,6 +76,12 @@ if TYPE_CHECKING:
     from pd_router.ops.spans import RequestTrace, Tracer
 
 log = logging.getLogger("pd_router")
+# The fields of a request line, in order (``Relay._report``, ``refused_line``).
+LINE_FIELDS = (
+    "request_id", "key", "endpoint", "model", "outcome", "status", "stream", "prefill_node",
+    "prefix_hit", "predicted_cached", "cache_source", "local_prefill", "decode_node",
+    "queued_s", "prefill_s", "ttft_s", "duration_s", "bytes",
+)  # fmt: skip
 
 
 # The decode engine's answer once it has taken the KV, and the bytes read to know it.
@@ -729,6 +735,18 @@ def _spawn_watcher(watch: Callable[[Receive], Coroutine[Any, Any, None]], receiv
 
 
 _watchers: set[asyncio.Task[None]] = set()
+
+
+def refused_line(
+    request_id: str, key: str | None, endpoint: str, outcome: str, status: int, sent: int
+) -> dict[str, Any]:
+    """The request line of a request refused before a relay began (its body, its model, a
+    loop, a shutdown, a client gone while sending): the fields of every request line, each
+    phase that never ran ``None``."""
+    fields: dict[str, Any] = dict.fromkeys(LINE_FIELDS)
+    fields.update(request_id=request_id, key=key, endpoint=endpoint, outcome=outcome, status=status)
+    fields["bytes"] = sent
+    return fields
 
 
 def _event_too_large(answer: Response, error: ValueError) -> UpstreamError:

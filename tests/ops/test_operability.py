@@ -94,10 +94,22 @@ def test_metrics_and_log_lines_follow_a_scripted_mix(fleet: SimFleet) -> None:
         router.assert_idle()
         lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
     finished = [line for line in lines if line["logger"] == "pd_router.access"]
-    assert len(finished) == 6, "one line per relayed request"
+    assert len(finished) == 7, "one line per finished request, refused ones included"
     assert sorted(line["outcome"] for line in finished) == sorted(
-        ["ok"] * 3 + ["rejected_busy", "client_aborted", "decode_error"]
+        ["ok"] * 3 + ["rejected_busy", "client_aborted", "decode_error", "bad_request"]
     )
+    # A request refused before its relay began has a line with the same fields as any
+    # other (before: none at all), the phases that never ran null.
+    bad = next(line for line in finished if line["outcome"] == "bad_request")
+    served = next(line for line in finished if line["outcome"] == "ok")
+    assert bad.keys() == served.keys()
+    assert (bad["status"], bad["endpoint"], bad["model"], bad["decode_node"]) == (
+        400,
+        "completions",
+        None,
+        None,
+    )
+    assert bad["bytes"] > 0 and bad["request_id"]
     leaver_line = next(line for line in finished if line["request_id"] == "leaver")
     assert leaver_line["prefill_node"] == 0 and leaver_line["decode_node"] == 1
     assert leaver_line["queued_s"] >= 0 and leaver_line["prefill_s"] > 0
