@@ -225,6 +225,10 @@ class UpstreamError(RouterError):
         self.code = code
         self.kind = kind
         self.outcome = _OUTCOMES.get(kind)
+        if kind == "http_4xx" and code != "engine_unauthorized":
+            # The engine refused the request itself (a prompt longer than its context, a
+            # parameter it does not take): the client's to fix, as a 400 of the router's.
+            self.outcome = "bad_request"
 
     @property
     def undelivered(self) -> bool:

@@ -320,7 +320,9 @@ async def test_an_engine_4xx_is_passed_on_and_does_not_count_against_the_node() 
     client = await served(router, dict(BODY))
     assert client.messages[0]["status"] == 400
     assert all(node.failures == 0 for node in router.fleet.nodes)
-    assert outcomes(router) == {("completions", "decode_error"): 1}
+    assert outcomes(router) == {
+        ("completions", "bad_request"): 1
+    }  # the request's, not the engine's
     assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
 
 

@@ -210,6 +210,13 @@ def test_an_engine_400_leaves_the_node_healthy(fleet: SimFleet) -> None:
             assert complete(router, "too long").status_code == 400
         nodes = admin(router, "GET", "/nodes").json()["nodes"]
         assert all(n["state"] == "serving" and n["consecutive_failures"] == 0 for n in nodes)
+        # Counted as the client's (the engine refused the request), not as an engine's error.
+        metrics = router.metrics()
+        assert metrics["pd_router_requests_total{endpoint=completions,outcome=bad_request}"] == 5
+        assert (
+            metrics.get("pd_router_requests_total{endpoint=completions,outcome=decode_error}", 0)
+            == 0
+        )
 
 
 def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
