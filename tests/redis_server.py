@@ -170,6 +170,15 @@ class RedisServer:
         return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
 
 
+def _left() -> contextlib.AbstractContextManager[None]:
+    """A side of a proxied connection that ended by a reset (a router closes a connection
+    whose reply it cannot use) or while the other side closed it: the connection's end,
+    not the proxy's failure."""
+    return contextlib.suppress(
+        anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionResetError
+    )
+
+
 class DroppingProxy:
     """A TCP proxy to Redis that, while ``dropping``, forwards commands but closes the
     client's connection instead of forwarding a reply: the call ran, its reply is lost.
@@ -200,12 +209,6 @@ class DroppingProxy:
         await listener.serve(self._relay)
 
     async def _relay(self, client: SocketStream) -> None:
-        # A router closes a connection whose reply it cannot use: a reset is a client's
-        # leaving, not the proxy's failure.
-        with contextlib.suppress(anyio.BrokenResourceError, ConnectionResetError):
-            await self._forward(client)
-
-    async def _forward(self, client: SocketStream) -> None:
         async with client, await anyio.connect_tcp("127.0.0.1", self.port) as upstream:
             async with anyio.create_task_group() as tg:
 
@@ -213,23 +216,25 @@ class DroppingProxy:
 
                 async def forward() -> None:
                     nonlocal stuck
-                    async for data in client:
-                        if self.holding is not None and self.holding in data:
-                            stuck = True
-                        await upstream.send(data)
+                    with _left():
+                        async for data in client:
+                            if self.holding is not None and self.holding in data:
+                                stuck = True
+                            await upstream.send(data)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(forward)
-                async for data in upstream:
-                    if stuck:
-                        self.held += 1
-                        await self._let_go.wait()
-                        break
-                    if self.dropping:
-                        self.dropped += 1
-                        break
-                    if self.lying is not None:
-                        self.lied += 1
-                        data = self.lying
-                    await client.send(data)
+                with _left():
+                    async for data in upstream:
+                        if stuck:
+                            self.held += 1
+                            await self._let_go.wait()
+                            break
+                        if self.dropping:
+                            self.dropped += 1
+                            break
+                        if self.lying is not None:
+                            self.lied += 1
+                            data = self.lying
+                        await client.send(data)
                 tg.cancel_scope.cancel()
