@@ -358,6 +358,7 @@ class Relay:
             if remote is None:
                 return
             prefilled = remote
+            self._local = remote.is_local  # ended at its first token: computed by decode
             self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled)

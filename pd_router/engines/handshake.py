@@ -68,14 +68,20 @@ class Prefilled:
 
     def __init__(self, answer: Any) -> None:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(params, dict):
-            raise ValueError(
-                "answer has no kv_transfer_params "
-                "(is the engine running with a kv_producer --kv-transfer-config?)"
-            )
-        self.kv_transfer_params: dict[str, Any] = params
         # No prefill engine: the decode engine computes the prompt (``local``).
         self.is_local = False
+        if not isinstance(params, dict):
+            if not _stopped(answer):
+                raise ValueError(
+                    "answer has no kv_transfer_params "
+                    "(is the engine running with a kv_producer --kv-transfer-config?)"
+                )
+            # The prefill ended at its first token (an end-of-sequence or stop token), and
+            # vLLM keeps KV for a decode engine only for a prefill cut at its max_tokens:
+            # the request's own outcome, not the engine's fault. The decode engine
+            # computes the prompt itself and answers it.
+            params, self.is_local = {}, True
+        self.kv_transfer_params: dict[str, Any] = params
         usage = answer.get("usage")
         # The engine's count of the prompt: what the router's estimate learns from.
         self.prompt_tokens: object = usage.get("prompt_tokens") if isinstance(usage, dict) else None
@@ -106,3 +112,13 @@ class Prefilled:
             usage.pop("prompt_tokens_details", None)
         else:
             usage["prompt_tokens_details"] = self.prompt_details
+
+
+def _stopped(answer: Any) -> bool:
+    """A prefill answer whose generation ended before its max_tokens (``finish_reason``
+    other than ``length``): it ended at its first token."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    reason = choices[0].get("finish_reason")
+    return isinstance(reason, str) and reason != "length"

@@ -25,6 +25,7 @@ import pytest
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RouterProcess, wait_for
 from tests.lying_engine import (
+    COMPLETION,
     STREAM,
     Flood,
     LyingEngine,
@@ -451,3 +452,37 @@ def test_events_over_the_limit_fail_their_own_requests_and_say_nothing_against_t
             if key.startswith("pd_router_node_state") and value
         ]
         assert all("state=serving" in key for key in serving), serving
+
+
+def test_a_prefill_that_ends_at_its_first_token_is_answered_by_the_decode_engine() -> None:
+    """A prompt whose first token ends it (an end-of-sequence, or the client's own stop
+    token): vLLM's prefill engine answers ``finish_reason: stop`` and no
+    ``kv_transfer_params`` (it keeps KV only for a prefill cut at its max_tokens). That is
+    the request's own outcome: the decode engine computes the prompt itself and answers,
+    and nothing counts against the prefill engine. Before, each such request got a 502,
+    was tried again on another prefill node, and counted as hard evidence against both:
+    three made every prefill node dead. (A prefill answer cut at its length with no
+    params is still the engine's fault: a kv_producer that is not one.)"""
+    stopped = dict(COMPLETION, kv_transfer_params=None)
+    stopped["choices"] = [{"index": 0, "text": "", "finish_reason": "stop"}]
+    misconfigured = dict(COMPLETION, kv_transfer_params=None)
+    with (
+        LyingEngine() as prefill,
+        SimFleet(prefill=0, decode=1, decode_args=["--standalone"]) as decode,
+    ):
+        prefill.lies["stop"] = http(200, json.dumps(stopped).encode())
+        prefill.lies["length"] = http(200, json.dumps(misconfigured).encode())
+        urls = [prefill.url], [decode.decode[0].url]
+        with RouterProcess(*urls, "--unhealthy-after", "2") as router:
+            url = f"{router.url}/v1/completions"
+            for stream in (False, True, False, True):
+                answer = httpx.post(url, json=lie("stop", stream=stream), timeout=30)
+                assert answer.status_code == 200, answer.text
+            metrics = router.metrics()
+            assert not any(
+                value for key, value in metrics.items() if key.startswith("pd_router_upstream")
+            )
+            assert metrics["pd_router_requests_total{endpoint=completions,outcome=ok}"] == 4
+            refused = httpx.post(url, json=lie("length"), timeout=30)
+            assert refused.status_code == 502 and "kv_producer" in refused.text
+            assert "local_prefill=True" in router.log()
