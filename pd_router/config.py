@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -209,14 +210,22 @@ def from_env(environ: Mapping[str, str], options: Mapping[str, Option]) -> dict[
 
 
 def _service_link(name: str, value: str) -> bool:
-    """Kubernetes injects ``PD_ROUTER_SERVICE_HOST``, ``PD_ROUTER_PORT=tcp://...`` and the
-    like into every pod of a namespace with a Service named ``pd-router``: not settings."""
+    """Kubernetes injects, into every pod of a namespace, ``<SERVICE>_SERVICE_HOST``,
+    ``<SERVICE>_PORT=tcp://...`` and the like for each Service: those of a Service named
+    ``pd-router`` or ``pd-router-<anything>`` (the examples' ``pd-router-state``) start
+    with ``PD_ROUTER_`` and are not settings. ``PD_ROUTER_PORT`` is one only as a URL."""
     rest = name[len(ENV_PREFIX) :]
-    return (
-        rest.startswith(("SERVICE_HOST", "SERVICE_PORT", "PORT_"))
-        or "://" in value
-        and rest == "PORT"
+    return bool(_SERVICE_LINK.fullmatch(rest)) or (
+        "://" in value and (rest == "PORT" or rest.endswith("_PORT"))
     )
+
+
+# What follows PD_ROUTER_ in a service link: [NAME_]SERVICE_HOST, [NAME_]SERVICE_PORT[_PORTNAME],
+# [NAME_]PORT_<number>_<protocol>[_PROTO|_PORT|_ADDR].
+_SERVICE_LINK = re.compile(
+    r"([A-Z0-9_]+_)?"
+    r"(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)"
+)
 
 
 def read_file(path: str) -> dict[str, Any]:

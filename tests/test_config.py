@@ -312,6 +312,16 @@ def test_kubernetes_service_links_are_not_settings() -> None:
         "PD_ROUTER_PORT_8000_TCP": "tcp://10.0.0.7:8000",
         "PD_ROUTER_PORT_8000_TCP_ADDR": "10.0.0.7",
         "PD_ROUTER_QUEUE_TIMEOUT": "7",
+        # A Service named pd-router-state, as examples/kubernetes/ has (before, the router
+        # refused to start: "unknown environment variable PD_ROUTER_STATE_PORT").
+        "PD_ROUTER_STATE_SERVICE_HOST": "10.0.0.8",
+        "PD_ROUTER_STATE_SERVICE_PORT": "6379",
+        "PD_ROUTER_STATE_SERVICE_PORT_REDIS": "6379",
+        "PD_ROUTER_STATE_PORT": "tcp://10.0.0.8:6379",
+        "PD_ROUTER_STATE_PORT_6379_TCP": "tcp://10.0.0.8:6379",
+        "PD_ROUTER_STATE_PORT_6379_TCP_PROTO": "tcp",
+        "PD_ROUTER_STATE_PORT_6379_TCP_PORT": "6379",
+        "PD_ROUTER_STATE_PORT_6379_TCP_ADDR": "10.0.0.8",
     }
     args = parse_router_args(
         parser, actions, ["--prefill", "http://p:1", "--decode", "http://d:2"], environ

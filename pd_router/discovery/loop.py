@@ -68,7 +68,12 @@ async def apply(
     # A node of this name that no group holds is another router's find (--state): this
     # router's lookup takes it on if it lists the address.
     held = {member.node_id for g in discovery.groups for member in g.members.values()}
-    taken = {node.url for node in nodes.values() if node.source != spec.source or node.id in held}
+    # Of this role only: one engine may be a prefill node and a decode node.
+    taken = {
+        node.url
+        for node in nodes.values()
+        if node.role == spec.role and (node.source != spec.source or node.id in held)
+    }
     plan = group.update(answer, taken, nodes)
     joining = []
     slots = spec.slots or (discovery.decode_slots if spec.role == "decode" else 1)

@@ -65,8 +65,9 @@ class Resolver:
 
     async def _srv(self, name: str) -> set[str]:
         records = [r for r in await self._query(name, "SRV") if isinstance(r, SRV)]
-        # A target of "." says the service is not there (RFC 2782).
-        targets = [(r.target, r.port) for r in records if r.target != dns.name.root]
+        # A target of "." says the service is not there (RFC 2782); port 0 is no port an
+        # engine listens on: either record is skipped, never the whole answer.
+        targets = [(r.target, r.port) for r in records if r.target != dns.name.root and r.port]
         addresses = await _all(self._addresses(target) for target, _ in targets)
         return {url(a, port) for (_, port), found in zip(targets, addresses) for a in found}
 

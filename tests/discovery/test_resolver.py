@@ -54,6 +54,24 @@ async def test_srv_records_give_the_port_and_their_targets_the_addresses(
     assert answer.addresses == {"http://10.0.0.1:8200", "http://[fd00::2]:8201"}
 
 
+async def test_an_srv_record_with_port_0_is_skipped_and_the_rest_is_the_answer(
+    server: DnsServer,
+) -> None:
+    """Before, its URL raised out of the lookup, and out of the discovery round: no name's
+    answer was applied, round after round."""
+    server.set(
+        {
+            "_http._tcp.decode.test.": {
+                "SRV": [[0, 0, 0, "d0.decode.test."], [0, 0, 8201, "d1.decode.test."]]
+            },
+            "d0.decode.test.": {"A": ["10.0.0.1"]},
+            "d1.decode.test.": {"A": ["10.0.0.2"]},
+        }
+    )
+    answer = await resolver(server).lookup(parse_dns_spec("_http._tcp.decode.test", "decode"))
+    assert answer.outcome == "ok" and answer.addresses == {"http://10.0.0.2:8201"}
+
+
 async def test_a_name_that_does_not_exist_or_has_no_address_is_empty(server: DnsServer) -> None:
     server.set({"other.test.": {"TXT": ['"x"']}})
     for spec in ("missing.test:1", "other.test:1", "_http._tcp.missing.test"):
@@ -126,3 +144,29 @@ async def test_the_loop_applies_real_answers_to_the_fleet(server: DnsServer) -> 
     await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
     assert [n.url for n in fleet.nodes] == ["http://10.0.0.1:8100", "http://10.0.1.2:8200"]
     assert discovery.groups[0].lookups == {"ok": 1, "empty": 0, "failed": 1}
+
+
+async def test_one_engine_found_in_both_roles_is_a_prefill_node_and_a_decode_node(
+    server: DnsServer,
+) -> None:
+    """README, "One engine, one node": an engine may serve both roles. Before, the decode
+    name's address counted as taken by the prefill node, and no decode node was made."""
+    fleet = Fleet([], [])
+    members = LocalMembership(fleet)
+    discovery = Discovery(
+        [
+            Group(parse_dns_spec("engine.test:8000", "prefill")),
+            Group(parse_dns_spec("engine.test:8000", "decode")),
+        ]
+    )
+
+    async def probe(node: Node) -> None:
+        fleet.probed(node)
+
+    server.set({"engine.test.": {"A": ["10.0.0.1"]}})
+    for _ in range(2):
+        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+    assert sorted((n.role, n.url, n.state) for n in fleet.nodes) == [
+        ("decode", "http://10.0.0.1:8000", State.SERVING),
+        ("prefill", "http://10.0.0.1:8000", State.SERVING),
+    ]
