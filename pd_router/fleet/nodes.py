@@ -118,7 +118,12 @@ class Node:
         self.last_error = failure.message
         if failure.evidence is not Evidence.SOFT:
             self.hard_failures += 1
-        if self.state in (State.DEAD, State.JOINING):
+        if self.state in (State.DEAD, State.JOINING, State.DRAINING):
+            # A draining node takes no new work whatever its health, and what it holds is
+            # let finish: an engine shutting down gracefully (a pod scaled down) refuses
+            # probes while it completes its requests, and a request whose engine did die
+            # learns it from its own connection. So no verdict: none that fails its
+            # requests, none that a good probe would turn back into serving.
             return None
         if failure.evidence is Evidence.FATAL or self.hard_failures >= policy.unhealthy_after:
             return self._become(State.DEAD, failure.kind)

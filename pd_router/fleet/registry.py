@@ -245,7 +245,7 @@ class Fleet:
         """Another router's verdict: dead (its requests here fail), unhealthy, or serving
         (again: not before a stall hold found here ends; or a joining node's first good
         probe, made by another router)."""
-        if state is State.DEAD and node.state is not State.DEAD:
+        if state is State.DEAD and node.state not in (State.DEAD, State.DRAINING):
             node.state, node.reason, node.last_error = State.DEAD, reason, message
             message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
             failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)

@@ -64,6 +64,34 @@ async def test_a_dead_decode_node_fails_only_its_own_requests_once() -> None:
     assert fleet.serving_view() == [0, 2]
 
 
+async def test_a_drained_node_refusing_probes_lets_its_requests_finish_and_stays_drained() -> None:
+    """An engine shutting down gracefully (its pod scaled down: gone from DNS, then
+    terminated) refuses new connections, probes included, while it completes the requests
+    it holds. Its node, drained, takes no new work whatever the evidence, and its requests
+    are not failed for it: each learns from its own connection if the engine did die. Before,
+    refused probes made it dead, its requests but flowing streams failed with it (a 502
+    within seconds for a non-streamed request), and good probes later made it serving again,
+    the drain forgotten."""
+    fleet = make_fleet(decode=2, slots=2)
+    d0 = fleet.pool.nodes[0]
+    request = Request("finishing")
+    reservation = await fleet.pool.acquire(0)
+    assert reservation.node is d0
+    with fleet.bind(request, d0):
+        fleet.drain(d0)
+        for _ in range(5):
+            fleet.failed(d0, REFUSED)
+        assert (d0.state, request.errors, d0.bound) == (State.DRAINING, [], {"finishing"})
+        for _ in range(3):
+            fleet.probed(d0)
+        assert d0.state is State.DRAINING
+    reservation.release()
+    for _ in range(3):
+        reservation = await fleet.pool.acquire(0)
+        assert reservation.node is not d0, "a drained node takes no new work"
+        reservation.release()
+
+
 async def test_soft_failures_make_a_node_unhealthy_never_dead() -> None:
     fleet = make_fleet()
     node = fleet.pool.nodes[0]
