@@ -78,7 +78,7 @@ async def probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float, la
                 late,
             )
             return
-    fleet.failed(node, failure)
+    fleet.failed(node, failure, probe=True)
 
 
 async def watch_stalls(fleet: Fleet, timeout: float) -> None:

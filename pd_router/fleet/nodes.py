@@ -21,7 +21,11 @@ state follows from it by the rules below. Slow is not dead: two verdicts, two co
   else says it is dead) makes it unhealthy and holds it there for ``hold`` seconds: its
   ``/health`` still answers 200, so only time can show it serves again.
 * An unhealthy or dead node is readmitted after ``healthy_after`` good probes in a row
-  (and not before its hold ends). A real request that succeeds resets the failure streaks.
+  (and not before its hold ends), afresh. A real request that succeeds resets the failure
+  streaks; a good probe only the probes' part of them: an engine whose ``/health`` answers
+  while its requests fail still goes unhealthy (or dead) on what the requests saw.
+* A draining node gets no verdict: it takes no new work anyway, and what it holds is let
+  finish (an engine shutting down gracefully refuses probes while it completes them).
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ class Node:
     # Failures in a row (any), hard ones in a row, good probes in a row.
     failures: int = 0
     hard_failures: int = 0
+    # Of those, what real requests saw: a good probe ends only the probes' part of the
+    # streak (an engine whose /health answers while every generation fails is not well),
+    # a real request that succeeds ends all of it.
+    request_failures: int = 0
+    request_hard_failures: int = 0
     successes: int = 0
     last_error: str | None = None
     # Why the node is not serving, from a fixed set ("probe timeout", "stalled", "refused"...);
@@ -111,13 +120,17 @@ class Node:
         """Whether a request for ``model`` (None: no model asked) may land here."""
         return model is None or self.models is None or model in self.models
 
-    def failed(self, failure: Failure, policy: HealthPolicy) -> State | None:
-        """Count a failure; the node's new state when this changed it."""
+    def failed(self, failure: Failure, policy: HealthPolicy, probe: bool = False) -> State | None:
+        """Count a failure (``probe``: a health probe's, else a real request's); the node's
+        new state when this changed it."""
+        hard = failure.evidence is not Evidence.SOFT
         self.failures += 1
+        self.hard_failures += hard
+        if not probe:
+            self.request_failures += 1
+            self.request_hard_failures += hard
         self.successes = 0
         self.last_error = failure.message
-        if failure.evidence is not Evidence.SOFT:
-            self.hard_failures += 1
         if self.state in (State.DEAD, State.JOINING, State.DRAINING):
             # A draining node takes no new work whatever its health, and what it holds is
             # let finish: an engine shutting down gracefully (a pod scaled down) refuses
@@ -144,20 +157,23 @@ class Node:
     def served(self) -> None:
         """A real request succeeded: the failure streaks end (readmission is the prober's)."""
         self.failures = self.hard_failures = 0
+        self.request_failures = self.request_hard_failures = 0
 
     def probed(self, policy: HealthPolicy, now: float) -> bool:
         """A good probe; True when this admitted a joining node or readmitted an unhealthy
-        or dead one."""
-        self.served()
+        or dead one (which starts it afresh)."""
+        self.failures, self.hard_failures = self.request_failures, self.request_hard_failures
         self.successes += 1
         if self.state is State.JOINING:
             # Never seen serving: nothing to be wary of, one good answer is enough.
+            self.served()
             self._become(State.SERVING, None)
             return True
         if self.state not in (State.UNHEALTHY, State.DEAD):
             return False
         if self.successes < policy.healthy_after or now < self.hold_until:
             return False
+        self.served()
         self._become(State.SERVING, None)
         return True
 

@@ -187,15 +187,17 @@ class Fleet:
 
     # What the prober, the relay and the stall watch saw
 
-    def failed(self, node: Node, failure: Failure, *, reporter: Handle | None = None) -> None:
+    def failed(
+        self, node: Node, failure: Failure, *, reporter: Handle | None = None, probe: bool = False
+    ) -> None:
         """``reporter``, the request that saw the failure, already has its own error and
         deals with it (a request the engine never got goes to another node): the node's
-        death does not fail it."""
+        death does not fail it. ``probe``: a health probe saw it (``Node.failed``)."""
         if failure.kind == LOOP:
             # Only a request shows a loop through another router (whose /health is fine):
             # the probes would readmit the node, and the next request would loop again.
             node.hold_until = max(node.hold_until, self.clock() + LOOP_HOLD)
-        state = node.failed(failure, self.policy)
+        state = node.failed(failure, self.policy, probe)
         if state is State.DEAD:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
             failing = self.fail_bound(node, NodeDead(message), spare=reporter, spare_flowing=True)

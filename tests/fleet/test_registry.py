@@ -311,3 +311,28 @@ async def test_a_death_spares_the_streams_still_flowing_on_the_node() -> None:
         assert [type(e) for e in silent.errors + unstarted.errors] == [NodeDead, NodeDead]
         fleet.remove(d0, force=True)  # an operator's forced removal spares nothing
         assert len(flowing.errors) == 1
+
+
+def test_good_probes_do_not_hide_requests_failing() -> None:
+    """An engine whose /health answers while every generation fails (5xx): the requests'
+    failures add up to unhealthy however the probes answer between them. Before, each good
+    probe ended the streak, and the node served failure after failure for as long as its
+    probes passed. A probe's own failures are still ended by a good probe."""
+    fleet = make_fleet(decode=2)
+    d0 = fleet.pool.nodes[0]
+    for _ in range(2):
+        fleet.failed(d0, Failure("http 5xx", "HTTP 500", Evidence.SOFT))
+        fleet.probed(d0)
+    assert d0.state is State.SERVING and d0.failures == 2
+    fleet.failed(d0, Failure("http 5xx", "HTTP 500", Evidence.SOFT))
+    assert d0.state is State.UNHEALTHY
+    # Readmitted by probes, afresh; then a real request's success ends what is left.
+    for _ in range(2):
+        fleet.probed(d0)
+    assert d0.state is State.SERVING and d0.failures == 0
+    timeout = Failure("probe timeout", "no answer", Evidence.SOFT)
+    for _ in range(2):
+        fleet.failed(d0, timeout, probe=True)
+        fleet.probed(d0)
+    fleet.failed(d0, timeout, probe=True)
+    assert d0.state is State.SERVING and d0.failures == 1, "probes' streaks end at a good one"
