@@ -175,7 +175,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "timeouts (5 s for httpx and the openai SDK); 0 closes after each response"),
     ("--max-connections", _positive, None, "N",
      "client connections open at once; a new one beyond gets 503 too_many_connections "
-     "(default: half the open-file limit, less 64)"),
+     "(default: the open-file limit less 64, halved)"),
     ("--health-interval", _seconds, 1.0, "SECONDS",
      "probe every node's /health this often; 0 turns probing off"),
     ("--health-timeout", _timeout, 1.0, "SECONDS",

@@ -108,7 +108,7 @@ WIRE = "pd_router.wire"
 
 
 def default_max_connections() -> int:
-    """Half the open-file limit, less a reserve: each client connection can carry a request
+    """The open-file limit less a reserve, halved: each client connection can carry a request
     that holds an engine connection too. At the cap a new client gets a 503 it can act on;
     at the fd limit its ``accept`` would fail, and a request already admitted could not
     reach an engine."""
