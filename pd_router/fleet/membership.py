@@ -111,7 +111,7 @@ class LocalMembership:
         self.fleet.drain(node, GONE)
 
     async def back(self, node: Node) -> bool:
-        return self.fleet.rejoin(node, GONE)
+        return self.fleet.rejoin(node, GONE, joining=self.probes)
 
     async def retire(self, node: Node, force: bool) -> None:
         self.fleet.remove(node, force=True)  # idle, or past the bound: nothing to wait for
@@ -271,7 +271,7 @@ def apply(
             fleet.told(node, verdict.state, verdict.reason, _found_by(verdict))
         if record.admin == "draining":
             fleet.drain(node, GONE if record.gone else "drained")
-        elif node.state is State.DRAINING and not fleet.rejoin(node, GONE):
+        elif node.state is State.DRAINING and not fleet.rejoin(node, GONE, joining=probes):
             fleet.undrain(node)
 
 

@@ -94,6 +94,9 @@ class Node:
     reason: str | None = None
     # A stalled node is not readmitted before this (monotonic seconds).
     hold_until: float = 0.0
+    # What a draining node was before its drain: what undoing the drain gives it back (its
+    # health is the evidence's, never the drain's).
+    drained_from: State | None = None
     # Request ids bound to this node right now (the fleet keeps this in step).
     bound: set[str] = field(default_factory=set)
     # The operator's own tags (zone, GPU type...): shown, never used to route.

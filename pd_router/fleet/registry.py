@@ -358,25 +358,37 @@ class Fleet:
 
     def drain(self, node: Node, reason: str = "drained") -> None:
         if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):
+            node.drained_from = node.state
             node.state = State.DRAINING
             node.reason = reason
             self._changed()
 
-    def rejoin(self, node: Node, drained_for: str) -> bool:
+    def rejoin(self, node: Node, drained_for: str, joining: bool = True) -> bool:
         """Undo a drain made for ``drained_for`` (an address back in DNS before its node was
-        removed): the node joins again, under its id, and serves after a good probe. A node
-        drained for another reason (an operator's) stays drained."""
+        removed): the node joins again, under its id, and serves after a good probe (with
+        ``joining`` false, nothing probes: it is as before its drain). A node drained for
+        another reason (an operator's) stays drained."""
         if node.state is not State.DRAINING or node.reason != drained_for:
             return False
-        node.state, node.reason = State.JOINING, JOINING
-        node.successes = 0
-        self._changed()
+        if joining:
+            node.state, node.reason, node.drained_from = State.JOINING, JOINING, None
+            node.successes = 0
+            self._changed()
+        else:
+            self.undrain(node)
         return True
 
     def undrain(self, node: Node) -> None:
-        if node.state is State.DRAINING:
-            node.state, node.reason = State.SERVING, None
-            self._changed()
+        """A drained node back as it was before its drain, less what the evidence said
+        since: serving, unhealthy (then readmitted by good probes), or joining."""
+        if node.state is not State.DRAINING:
+            return
+        state = node.drained_from or State.SERVING
+        if state is State.SERVING and node.failures >= self.policy.unhealthy_after:
+            state = State.UNHEALTHY
+        node.state, node.drained_from = state, None
+        node.reason = JOINING if state is State.JOINING else None
+        self._changed()
 
     def resize(self, node: Node, slots: int) -> None:
         if node.slots != slots:

@@ -60,7 +60,11 @@ async def test_adding_an_engine_again_changes_its_node() -> None:
     fleet.drain(first)
     again = await members.add("http://d:2", "decode", 4, {"zone": "b"})
     assert again is first and again.id == 2 and again.slots == 4 and again.labels == {"zone": "b"}
-    assert again.state is State.SERVING, "drained no more"
+    # Drained no more, and as before its drain: joining until its first good probe (before,
+    # serving with no engine ever heard from).
+    assert again.state is State.JOINING
+    fleet.probed(again)
+    assert again.state is State.SERVING
     assert fleet.pool.capacity == 2 + 4 and len(fleet.nodes) == 3
     deaf = LocalMembership(Fleet([], []), probes=False)
     assert (await deaf.add("http://d:3", "decode", 1, {})).state is State.SERVING

@@ -336,3 +336,26 @@ def test_good_probes_do_not_hide_requests_failing() -> None:
         fleet.probed(d0)
     fleet.failed(d0, timeout, probe=True)
     assert d0.state is State.SERVING and d0.failures == 1, "probes' streaks end at a good one"
+
+
+def test_undoing_a_drain_gives_the_node_back_its_health() -> None:
+    """A drained node added again (an operator), or listed again in DNS while probing is
+    off, is what it was before its drain, less what the evidence said since: unhealthy
+    stays unhealthy until good probes readmit it. Before, it came back serving whatever
+    its health."""
+    fleet = make_fleet(decode=2)
+    d0 = fleet.pool.nodes[0]
+    for _ in range(3):
+        fleet.failed(d0, Failure("probe timeout", "slow", Evidence.SOFT), probe=True)
+    assert d0.state is State.UNHEALTHY
+    fleet.drain(d0)
+    fleet.undrain(d0)
+    assert (d0.state, d0.reason) == (State.UNHEALTHY, None)
+    for _ in range(2):
+        fleet.probed(d0)
+    assert d0.state is State.SERVING
+    # Serving when drained, failing since: unhealthy once the drain is undone.
+    fleet.drain(d0, "gone")
+    for _ in range(3):
+        fleet.failed(d0, Failure("probe timeout", "slow", Evidence.SOFT), probe=True)
+    assert fleet.rejoin(d0, "gone", joining=False) and d0.state is State.UNHEALTHY
