@@ -91,6 +91,24 @@ async def apply(
             log.info("%s: %s node %s (%s) found; %s", *_named(spec, found), found.state.value)
         for node_id in plan.drain:
             node = nodes[node_id]
+            heir = next(
+                (
+                    other
+                    for other in discovery.groups
+                    if other is not group
+                    and other.spec.role == spec.role
+                    and node.url in other.addresses
+                ),
+                None,
+            )
+            if heir is not None:
+                group.hand_over(node_id, heir)
+                log.info(
+                    "%s: %s node %s (%s) no longer listed, but %s lists it: kept",
+                    *_named(spec, node),
+                    heir.spec.source,
+                )
+                continue
             await membership.gone(node)
             group.left(node_id, now)
             log.info(

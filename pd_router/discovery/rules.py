@@ -190,6 +190,9 @@ class Group:
         # The last lookup's outcome, so that a lasting failure is logged once.
         self.last: Outcome | None = None
         self.listed = 0
+        # The addresses its last real answer listed: a node another name of the role stops
+        # listing passes to this one while this one lists it (``hand_over``).
+        self.addresses: frozenset[str] = frozenset()
 
     def update(self, answer: Answer, taken: Collection[str], alive: Collection[int]) -> Plan:
         """Take ``answer`` in. ``taken``: URLs of nodes in the fleet that are not this
@@ -203,7 +206,7 @@ class Group:
         if answer.outcome != "ok":
             return Plan()
         self.listed = len(answer.addresses)
-        listed = answer.addresses
+        listed = self.addresses = answer.addresses
         add = tuple(sorted(u for u in listed if u not in self.members and u not in taken))
         drain, rejoin = [], []
         for address, member in self.members.items():
@@ -212,6 +215,13 @@ class Group:
             elif address in listed and member.gone_since is not None:
                 rejoin.append(member.node_id)
         return Plan(add, tuple(drain), tuple(rejoin))
+
+    def hand_over(self, node_id: int, heir: Group) -> None:
+        """The node's address is no longer listed here but is by ``heir`` (another name of
+        the role): the node is ``heir``'s from now on, not drained. README: an address
+        listed by two names is one node, and only what really lists fewer removes it."""
+        address = next(a for a, m in self.members.items() if m.node_id == node_id)
+        heir.members[address] = self.members.pop(address)
 
     def joined(self, address: str, node_id: int) -> None:
         self.members[address] = Member(node_id)

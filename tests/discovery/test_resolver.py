@@ -170,3 +170,33 @@ async def test_one_engine_found_in_both_roles_is_a_prefill_node_and_a_decode_nod
         ("decode", "http://10.0.0.1:8000", State.SERVING),
         ("prefill", "http://10.0.0.1:8000", State.SERVING),
     ]
+
+
+async def test_an_address_two_names_list_stays_until_neither_does(server: DnsServer) -> None:
+    """README: an address listed by two names is one node, and only an answer that really
+    lists fewer addresses removes nodes. One name dropping it hands the node to the other,
+    which drains it only once it drops it too. Before, the first name's drain stood while
+    the second still listed it, and the node was removed at the drain timeout, failing
+    what it held (then added again by the second name under a new id)."""
+    fleet = Fleet([], [])
+    members = LocalMembership(fleet)
+    discovery = Discovery(
+        [
+            Group(parse_dns_spec("a.test:8200", "decode")),
+            Group(parse_dns_spec("b.test:8200", "decode")),
+        ]
+    )
+
+    async def probe(node: Node) -> None:
+        fleet.probed(node)
+
+    async def round_of(a: list[str], b: list[str]) -> list[tuple[int, State]]:
+        server.set({"a.test.": {"A": a}, "b.test.": {"A": b}})
+        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+        return [(n.id, n.state) for n in fleet.pool.nodes]
+
+    assert await round_of(["10.0.0.1"], ["10.0.0.1"]) == [(0, State.SERVING)]
+    assert await round_of(["10.0.0.2"], ["10.0.0.1"]) == [(0, State.SERVING), (1, State.SERVING)]
+    assert await round_of(["10.0.0.2"], ["10.0.0.1"]) == [(0, State.SERVING), (1, State.SERVING)]
+    # Dropped by both: drained, and removed at once (it holds nothing).
+    assert await round_of(["10.0.0.2"], ["10.0.0.3"]) == [(1, State.SERVING), (2, State.SERVING)]
