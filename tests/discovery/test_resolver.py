@@ -4,7 +4,7 @@ and trio: A and AAAA, SRV, NXDOMAIN and NODATA (empty), SERVFAIL and a server th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
@@ -151,21 +151,10 @@ async def test_one_engine_found_in_both_roles_is_a_prefill_node_and_a_decode_nod
 ) -> None:
     """README, "One engine, one node": an engine may serve both roles. Before, the decode
     name's address counted as taken by the prefill node, and no decode node was made."""
-    fleet = Fleet([], [])
-    members = LocalMembership(fleet)
-    discovery = Discovery(
-        [
-            Group(parse_dns_spec("engine.test:8000", "prefill")),
-            Group(parse_dns_spec("engine.test:8000", "decode")),
-        ]
-    )
-
-    async def probe(node: Node) -> None:
-        fleet.probed(node)
-
+    fleet, look = discovering(server, "prefill engine.test:8000", "decode engine.test:8000")
     server.set({"engine.test.": {"A": ["10.0.0.1"]}})
     for _ in range(2):
-        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+        await look()
     assert sorted((n.role, n.url, n.state) for n in fleet.nodes) == [
         ("decode", "http://10.0.0.1:8000", State.SERVING),
         ("prefill", "http://10.0.0.1:8000", State.SERVING),
@@ -178,21 +167,11 @@ async def test_an_address_two_names_list_stays_until_neither_does(server: DnsSer
     which drains it only once it drops it too. Before, the first name's drain stood while
     the second still listed it, and the node was removed at the drain timeout, failing
     what it held (then added again by the second name under a new id)."""
-    fleet = Fleet([], [])
-    members = LocalMembership(fleet)
-    discovery = Discovery(
-        [
-            Group(parse_dns_spec("a.test:8200", "decode")),
-            Group(parse_dns_spec("b.test:8200", "decode")),
-        ]
-    )
-
-    async def probe(node: Node) -> None:
-        fleet.probed(node)
+    fleet, look = discovering(server, "decode a.test:8200", "decode b.test:8200")
 
     async def round_of(a: list[str], b: list[str]) -> list[tuple[int, State]]:
         server.set({"a.test.": {"A": a}, "b.test.": {"A": b}})
-        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+        await look()
         return [(n.id, n.state) for n in fleet.pool.nodes]
 
     assert await round_of(["10.0.0.1"], ["10.0.0.1"]) == [(0, State.SERVING)]
@@ -200,3 +179,23 @@ async def test_an_address_two_names_list_stays_until_neither_does(server: DnsSer
     assert await round_of(["10.0.0.2"], ["10.0.0.1"]) == [(0, State.SERVING), (1, State.SERVING)]
     # Dropped by both: drained, and removed at once (it holds nothing).
     assert await round_of(["10.0.0.2"], ["10.0.0.3"]) == [(1, State.SERVING), (2, State.SERVING)]
+
+
+def discovering(server: DnsServer, *names: str) -> tuple[Fleet, Callable[[], Awaitable[None]]]:
+    """An empty fleet discovering ``names`` ("ROLE NAME:PORT"), and one round of its loop
+    against ``server``, every node found answering its first probe."""
+    fleet = Fleet([], [])
+    members = LocalMembership(fleet)
+    groups = []
+    for name in names:
+        role, spec = name.split()
+        groups.append(Group(parse_dns_spec(spec, "prefill" if role == "prefill" else "decode")))
+    discovery = Discovery(groups)
+
+    async def probe(node: Node) -> None:
+        fleet.probed(node)
+
+    async def look() -> None:
+        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+
+    return fleet, look
