@@ -29,7 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from pd_router.errors import StateUnavailable, fresh
 from pd_router.fleet.keys import KeyLimits, refused
 from pd_router.shared import scripts
-from pd_router.shared.pool import LEASE, SharedPool, answered, noting
+from pd_router.shared.pool import LEASE, ErrorReplies, SharedPool, noting
 from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable, Script
 
 log = logging.getLogger("pd_router.shared_keys")
@@ -63,8 +63,7 @@ class SharedKeyLimits(KeyLimits):
         jobs: tuple[MemoryObjectSendStream[_Job], MemoryObjectReceiveStream[_Job]]
         jobs = anyio.create_memory_object_stream(math.inf)
         self._jobs, self._pending = jobs
-        # The error reply logged last, until a call succeeds.
-        self._failing: str | None = None
+        self._errors = ErrorReplies("shared key counts")
 
     def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
         return [("the shared key counts", self._work)]
@@ -135,14 +134,8 @@ class SharedKeyLimits(KeyLimits):
         except RedisUnavailable as exc:
             raise StateUnavailable(f"shared state unavailable: {exc}") from None
         except RedisError as error:
-            # Per request: logged once while it lasts, and never its text to a client.
-            if str(error) != self._failing:
-                self._failing = str(error)
-                log.error(
-                    "shared key counts: redis %s answered: %s", self.redis.settings.address, error
-                )
-            raise answered(self.redis, error) from None
-        self._failing = None
+            raise self._errors.answered(self.redis, error) from None
+        self._errors.cleared()
         SharedPool.noted(bad)
         for ask, counted in zip(asks, replies, strict=True):
             if counted:

@@ -110,6 +110,26 @@ def answered(redis: Redis, error: RedisError) -> StateUnavailable:
     )
 
 
+class ErrorReplies:
+    """One caller's error replies, each logged once while it lasts (a call per request
+    would repeat it per request), until a call succeeds (``cleared``)."""
+
+    __slots__ = ("what", "last")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.last: str | None = None
+
+    def answered(self, redis: Redis, error: RedisError) -> StateUnavailable:
+        if str(error) != self.last:
+            self.last = str(error)
+            log.error("%s: redis %s answered: %s", self.what, redis.settings.address, error)
+        return answered(redis, error)
+
+    def cleared(self) -> None:
+        self.last = None
+
+
 def noting(*lengths: int) -> Fits:
     """A reply that is a list of one of ``lengths`` elements, the last the script's notes."""
     fits = listed(*lengths)
@@ -176,8 +196,7 @@ class SharedPool(DecodePool):
         # Held by a renewal, a release and a waiter's leaving: a renewal writes back what
         # this router held when it was sent, so none of them may run between.
         self._settling = anyio.Lock()
-        # The store's last error logged (logged again only once calls have succeeded).
-        self._failing: str | None = None
+        self._errors = ErrorReplies("shared state")
         # Run before each registration (a start, a lost lease, a Redis that lost its data):
         # the shared fleet adopts, or puts back, the nodes whose slots it writes.
         self.before_register: Callable[[], Awaitable[None]] | None = None
@@ -477,16 +496,13 @@ class SharedPool(DecodePool):
             self._failed(error)
             await self._repair()
             return await self._run(script, args, repair=False, asked=asked)
-        self._failing = None
+        self._errors.cleared()
         self.noted(reply if script is _REPAIR else reply[-1])
         return reply
 
     def _failed(self, error: RedisError) -> StateUnavailable:
         """Logged (once while it lasts); what the client is told names no script's error."""
-        if str(error) != self._failing:
-            self._failing = str(error)
-            log.error("shared state: redis %s answered: %s", self.redis.settings.address, error)
-        return answered(self.redis, error)
+        return self._errors.answered(self.redis, error)
 
     async def _repair(self) -> None:
         """Keys of a wrong type deleted, counts made again, what this router holds and
