@@ -86,7 +86,11 @@ class Subscriber:
         self._thread.start()
 
     def stop(self) -> None:
+        """Asks the thread to end: within ``POLL_MS``, its socket closed. Not waited for
+        here, as the event loop calls this (``join`` waits)."""
         self._stop.set()
+
+    def join(self) -> None:
         self._thread.join(timeout=2)
 
     def take(self) -> Item | None:
@@ -170,6 +174,10 @@ async def follow(nodes: list[Node], streams: EventStreams) -> None:
     finally:
         for subscriber in subscribers.values():
             subscriber.stop()
+        # The follower ends (the router stops): ZMQ's context ends once every socket is
+        # closed, those of subscribers stopped earlier too.
+        for subscriber in subscribers.values():
+            subscriber.join()
         context.term()
 
 
@@ -177,12 +185,14 @@ def _apply(streams: EventStreams, node_id: int, endpoint: str, item: Item) -> No
     if isinstance(item, list):
         try:
             payload = msgpack.unpackb(item[-1], raw=False, strict_map_key=False)
-            batch = decode(item, payload)
-        except (EventError, ValueError, TypeError, msgpack.UnpackException) as exc:
-            kind, message = "garbage", f"{endpoint}: {str(exc)[:200]}"
-        else:
-            streams.apply(node_id, batch)
+            streams.apply(node_id, decode(item, payload))
             return
+        except Exception as exc:
+            # Whatever a publisher's bytes make the decoding raise (nested 1,000 levels
+            # deep, msgpack reads them and Python's own recursion gives up: a
+            # RecursionError) is that engine's garbage: its stream alone is degraded, and
+            # the follower goes on for the others.
+            kind, message = "garbage", f"{endpoint}: {type(exc).__name__}: {str(exc)[:200]}"
     else:
         kind, message = DISCONNECTED, item
     stream = streams.streams.get(node_id)

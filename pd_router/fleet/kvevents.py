@@ -147,7 +147,8 @@ def decode(frames: Sequence[bytes], payload: Any) -> Batch:
         elif kind == CLEARED:
             parsed.append(None)
         else:
-            raise EventError(f"unknown event {str(kind)[:40]!r}")
+            shown = kind[:40] if isinstance(kind, str) else type(kind).__name__
+            raise EventError(f"unknown event {shown!r}")
     return Batch(seq, tuple(parsed))
 
 

@@ -113,8 +113,10 @@ class BlockIndex:
             salt = extra[index] if extra is not None and index < len(extra) else None
             try:
                 key = hash((key, tokens)) if salt is None else hash((key, tokens, repr(salt)))
-            except TypeError:
-                return False  # token ids that are not numbers: not a block a prompt can be
+            except (TypeError, RecursionError):
+                # Token ids that are not numbers, or extra keys nested past what ``repr``
+                # reads: not a block a prompt can be.
+                return False
             if block_hash in names:
                 # Restated (a reused block, vLLM's "full" report mode): already counted.
                 continue

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pd_router.engines.kvevents import endpoint_of
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from pd_router.engines.kvevents import _apply, endpoint_of
+from pd_router.fleet.holdings import KvView
+from pd_router.fleet.kvevents import DEGRADED, LIVE, EventStreams
 from pd_router.fleet.nodes import make_nodes
 
 
@@ -22,3 +28,33 @@ def test_the_event_endpoint_is_the_kv_events_port_on_the_host_of_the_engines_url
     # A label set by hand (the admin API) that is not a port is no endpoint.
     none.labels["kv_events"] = "soon"
     assert endpoint_of(none) is None
+
+
+def test_a_message_nested_past_pythons_recursion_limit_is_one_engines_garbage() -> None:
+    """msgpack reads 1,000 levels of nesting, past where Python's own ``str`` and ``repr``
+    give up (a RecursionError): such a message, in an event's type or a block's extra keys,
+    degrades its engine's stream only, and the follower goes on (before, the error ended
+    every subscriber, and every engine's stream was degraded by the restart)."""
+    view = KvView()
+    streams = EventStreams(view)
+    for node_id in (0, 1):
+        streams.watch(node_id, f"tcp://p{node_id}:5557")
+    deep: object = "x"
+    for _ in range(1020):
+        deep = [deep]
+    block = {"block_hashes": [1], "parent_block_hash": None, "token_ids": [7], "block_size": 1}
+    for seq, event in enumerate(
+        [{"type": deep}, {"type": "BlockStored", **block, "extra_keys": [deep]}]
+    ):
+        frames = [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb([0.0, [event]])]
+        _apply(streams, 0, "tcp://p0:5557", frames)
+        _apply(streams, 1, "tcp://p1:5557", message(seq, {"type": "BlockStored", **block}))
+    first, second = streams.streams[0], streams.streams[1]
+    assert first.faults == {"garbage": 1} and first.state == DEGRADED, first.view()
+    # The block with the deep extra keys is read and left out, as any it cannot key.
+    assert first.unkeyed == 1 and len(first.index) == 0
+    assert second.state == LIVE and second.faults == {} and len(second.index) == 1
+
+
+def message(seq: int, *events: dict[str, Any]) -> list[bytes]:
+    return [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb([0.0, list(events)])]
