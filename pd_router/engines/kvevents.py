@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
-from pd_router.fleet.kvevents import DEGRADED, DISCONNECTED, EventError, EventStreams, decode
+from pd_router.fleet.kvevents import DEGRADED, DISCONNECTED, EventStreams, decode
 from pd_router.fleet.nodes import KV_EVENTS, Node
 from pd_router.ops.ticks import sleep_to_tick
 
