@@ -83,6 +83,9 @@ LINE_FIELDS = (
     "queued_s", "prefill_s", "ttft_s", "duration_s", "bytes",
 )  # fmt: skip
 
+# Seconds a decode engine has, after its stream's [DONE], to end its body: vLLM ends it in
+# the same write. The request ends then either way.
+AFTER_DONE = 1.0
 
 # The decode engine's answer once it has taken the KV, and the bytes read to know it.
 Handed = tuple[Response, bytes]
@@ -632,10 +635,11 @@ class Relay:
         if not events.done:
             message = f"{answer.url}: decode stream ended without [DONE]"
             raise UpstreamError(message, kind="broken_stream")
-        # The rest is the end of the chunked body: read it so the connection is reused. The
-        # client has its whole answer: an engine failing now costs only the connection.
-        with contextlib.suppress(UpstreamError):
-            await answer.read()
+        # The rest is the end of the chunked body: read so that the connection is reused.
+        # The client has its whole answer: an engine that fails now, or does not end its
+        # body (holds it open, or sends on), costs only the connection, not the slot until
+        # the read timeout (and the node a stall verdict).
+        await answer.finish(AFTER_DONE)
 
     async def _pour(
         self, client: ClientStream, answer: Response, events: EventRelay, ready: bytes

@@ -140,6 +140,21 @@ class Response:
             raise _failure(self.url, "connection lost", exc) from None
         return b"".join(parts), True
 
+    async def finish(self, seconds: float) -> bool:
+        """Read what is left of an answer whose last event the client has (the end of a
+        stream's chunked body, after ``[DONE]``) so that the connection serves again;
+        False if it did not end within ``seconds`` in all (an engine that holds its body
+        open, or sends on) or broke: the connection is then closed with the response."""
+        conn = self._conn
+        deadline = time.monotonic() + seconds
+        try:
+            while await conn.next_body(max(deadline - time.monotonic(), 0.0)):
+                if time.monotonic() >= deadline:
+                    return False
+        except _LOST:
+            return False
+        return True
+
     async def next_chunk(self) -> bytes:
         """The bytes that arrived since the last call (several chunks coalesced), waiting
         for some; ``b""`` once the answer ended. A plain coroutine, not an async generator:

@@ -296,6 +296,25 @@ def test_a_stream_that_breaks_after_its_pour_began_ends_in_one_error_event(
     assert router.metrics()[errors] == before.get(errors, 0) + 1
 
 
+def test_an_engine_that_holds_its_body_open_after_done_does_not_hold_the_slot(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """A decode engine that sends ``[DONE]`` and then neither ends its chunked body nor
+    closes: the client has its whole answer at once, and the slot is back within the
+    second the router gives the body's end (``AFTER_DONE``), not at the read timeout (600 s
+    by default; before, the stall watch also made the node unhealthy meanwhile)."""
+    liar.lies["held"] = then(2, chunk(events(b"[DONE]")), hold=True)
+    ok = "pd_router_requests_total{endpoint=completions,outcome=ok}"
+    before = router.metrics().get(ok, 0)
+    with attacked(router):
+        started = time.monotonic()
+        response = httpx.post(f"{router.url}/v1/completions", json=lie("held", stream=True))
+        assert response.content == events(token(" 0"), token(" 1"), b"[DONE]")
+        wait_for(lambda: router.in_use() == 0, timeout=15, what="the slot back")
+        assert time.monotonic() - started < 15
+    assert router.metrics()[ok] >= before + 1
+
+
 def test_a_client_that_stops_reading_then_leaves_frees_its_slot_and_its_engine(
     router: RouterProcess, liar: LyingEngine
 ) -> None:
