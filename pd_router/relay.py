@@ -55,6 +55,7 @@ from pd_router.engines import handshake
 from pd_router.engines.client import Response, Upstream
 from pd_router.engines.sse import EventRelay, with_usage_fixed
 from pd_router.errors import (
+    Evidence,
     InternalError,
     RouterError,
     ShuttingDown,
@@ -583,6 +584,12 @@ class Relay:
                 self.trace.failed(error)
             self.router.telemetry.upstream_error(node, error.kind)
             evidence = error.evidence
+            if evidence is None and error.kind == "timeout" and node.role == "prefill":
+                # A prefill is one token: silent for the whole read timeout, its engine is
+                # hung or hopelessly behind, whatever its /health says (vLLM's answers
+                # while its scheduler hangs). A long answer is a decode engine's, never a
+                # prefill's, and a prefill's silence has no stall watch to find it.
+                evidence = Evidence.SOFT
             if evidence is not None:
                 failure = Failure(error.kind.replace("_", " "), error.message, evidence)
                 self.router.fleet.failed(node, failure, reporter=self)

@@ -15,8 +15,9 @@ state follows from it by the rules below. Slow is not dead: two verdicts, two co
   connection, sent invalid HTTP, or refused a probe) make it dead after
   ``unhealthy_after`` in a row; a real request
   refused (*fatal*) makes it dead at once. A request timeout is the request's own outcome
-  and no failure of the node's; neither is a 4xx answer, a client hang-up or a request the
-  router cancelled.
+  and no failure of the node's (a long answer is not a failure), but a prefill's, one
+  token, is a soft one, and holds the node out as a stall does; a 4xx answer, a client
+  hang-up or a request the router cancelled is none.
 * A stall (every started stream on the node silent for ``--stall-timeout`` while nothing
   else says it is dead) makes it unhealthy and holds it there for ``hold`` seconds: its
   ``/health`` still answers 200, so only time can show it serves again.

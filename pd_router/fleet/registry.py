@@ -37,6 +37,10 @@ JOINING = "not yet probed"
 # (``edge/hops.py``), and how long such a node is kept out, whatever its probes say.
 LOOP = "loop"
 LOOP_HOLD = 60.0
+# A prefill silent for the whole read timeout (the relay's soft failure ``timeout``): its
+# engine's /health may well answer, so only time can show it serves again.
+TIMEOUT = "timeout"
+TIMEOUT_HOLD = 60.0
 
 
 def _named(node: Node) -> tuple[str, int, str]:
@@ -197,6 +201,8 @@ class Fleet:
             # Only a request shows a loop through another router (whose /health is fine):
             # the probes would readmit the node, and the next request would loop again.
             node.hold_until = max(node.hold_until, self.clock() + LOOP_HOLD)
+        elif failure.kind == TIMEOUT:
+            node.hold_until = max(node.hold_until, self.clock() + TIMEOUT_HOLD)
         state = node.failed(failure, self.policy, probe)
         if state is State.DEAD:
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"

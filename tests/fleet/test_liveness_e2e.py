@@ -10,6 +10,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -175,6 +176,37 @@ def test_an_answer_longer_than_the_read_timeout_is_a_504_not_a_verdict(fleet: Si
         assert all(n["consecutive_failures"] == 0 for n in view)
         assert outcomes(router) == {"ok": 1, "timeout": 6}
         router.assert_idle()
+
+
+def test_a_prefill_engine_silent_past_the_read_timeout_is_unhealthy_and_held_out() -> None:
+    """A prefill engine that answers ``/health`` but no prefill (vLLM's hung scheduler): a
+    prefill is one token, so its silence for the whole read timeout is a soft failure.
+    After ``--unhealthy-after`` of them the node takes no new requests, its good probes
+    readmit it only after a hold, and the requests it held were each tried once on the
+    other prefill node. Before, every request sent there waited the read timeout (600 s by
+    default), and the node stayed serving."""
+    with SimFleet(prefill=2, decode=1, decode_args=["--slots", "64"]) as fleet:
+        hung, healthy = fleet.prefill
+        hung.configure(prefill_delay=120.0)
+        args = ("--read-timeout", "2", "--prefill-policy", "round_robin")
+        with router_for(fleet, *args) as router:
+            ids = node_ids(router)
+            for index in range(6):
+                assert complete(router, f"turn {index}", 2).status_code == 200
+            states = node_states(router)
+            assert states[ids[hung.url]] == "unhealthy", states
+            assert states[ids[healthy.url]] == "serving", states
+            # Held out: no new request waits on it, though its probes answer.
+            for index in range(4):
+                started = time.monotonic()
+                assert complete(router, f"after {index}", 2).status_code == 200
+                assert time.monotonic() - started < 2.0
+            assert node_states(router)[ids[hung.url]] == "unhealthy"
+            view = next(
+                n for n in admin(router, "GET", "/nodes").json()["nodes"] if n["url"] == hung.url
+            )
+            assert "no byte from the engine for 2 s" in view["last_error"], view
+            router.assert_idle()
 
 
 def test_a_stream_whose_engine_goes_silent_mid_answer_ends_in_one_timeout_error(
