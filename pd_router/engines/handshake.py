@@ -23,6 +23,19 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _DECODE_ONLY = ("stream_options", "min_tokens")
 
 
+def one_sequence(body: dict[str, Any]) -> bool:
+    """Whether the request is one sequence, which alone a prefill engine can hand over: vLLM
+    answers a request with one ``kv_transfer_params`` (a batch of prompts, its first
+    prompt's; ``n`` samples, one of them), so the decode engine would decode every other
+    sequence from the wrong blocks, and theirs would stay pinned on the prefill engine.
+    A validated body (``edge/validation.py``): ``n`` is a positive integer if given."""
+    n = body.get("n")
+    if n is not None and n > 1:
+        return False
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list))
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as a one-token, non-streaming prefill."""
     out = {key: value for key, value in body.items() if key not in _DECODE_ONLY}

@@ -52,6 +52,27 @@ def test_decode_body_is_the_original_plus_exactly_the_prefill_params() -> None:
     assert drain["kv_transfer_params"] is params
 
 
+def test_only_a_request_of_one_sequence_is_handed_over() -> None:
+    """vLLM's prefill answers one ``kv_transfer_params`` per request: a batch of prompts or
+    ``n`` samples cannot be handed over (the relay has the decode engine compute them)."""
+    one = [
+        {"prompt": "x"},
+        {"prompt": ["x"]},
+        {"prompt": [1, 2, 3]},
+        {"prompt": [[1, 2, 3]]},
+        {"prompt": "x", "n": 1},
+        {"messages": [{"role": "user", "content": "x"}]},
+    ]
+    several = [
+        {"prompt": ["x", "y"]},
+        {"prompt": [[1, 2], [3]]},
+        {"prompt": "x", "n": 2},
+        {"messages": [{"role": "user", "content": "x"}], "n": 3},
+    ]
+    assert [handshake.one_sequence(body) for body in one] == [True] * len(one)
+    assert [handshake.one_sequence(body) for body in several] == [False] * len(several)
+
+
 def test_prefill_answer_without_kv_params_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_transfer_params"):
         handshake.Prefilled({"choices": []})
