@@ -373,10 +373,6 @@ class Relay:
         handed = await self._decode(binding, prefilled)
         if handed is None or self.client_gone:
             return
-        if prompt is not None:
-            # The decode engine holds the prompt now, pulled or computed.
-            node = binding.decode
-            fleet.kv.placed(node.id, node.role, node.url, prompt)
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
@@ -386,6 +382,9 @@ class Relay:
         try:
             if answer.status != 200:
                 raise await answer.error()
+            if prompt is not None:
+                # The decode engine holds the prompt now, pulled or computed.
+                fleet.kv.placed(node.id, node.role, node.url, prompt)
             if self.stream:
                 binding.stream = answer  # started: the stall watch looks at it from now on
                 await self._relay_events(client, answer, prefilled, first)

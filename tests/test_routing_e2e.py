@@ -204,3 +204,26 @@ def test_a_request_of_several_sequences_is_computed_by_its_decode_engine() -> No
             router.assert_idle()
             lines = [line for line in router.log().splitlines() if "request_id=" in line]
         assert [("local_prefill=True" in line) for line in lines] == [True, True, False]
+
+
+def test_a_decode_engine_that_failed_a_request_is_not_predicted_to_hold_its_prompt() -> None:
+    """Only a decode engine that answered 200 holds what it was sent: one that failed the
+    request is not credited with the prompt, so the next turn is not computed there as if
+    its history were cached."""
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=DECODE) as fleet:
+        args = ["--prefill-policy", "cost", "--max-local-prefill", "100"]
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode), *args) as router:
+            client = client_for(router)
+            long = words("w", 400)
+            fleet.decode[0].configure(fail_status=500)
+            try:
+                client.completions.create(model="sim-model", prompt=long, max_tokens=2)
+            except openai.InternalServerError:
+                pass
+            else:
+                raise AssertionError("the failing decode engine's 500 was not passed on")
+            fleet.decode[0].configure(fail_status=None)
+            before = fleet.prefill[0].stats()["requests"]
+            client.completions.create(model="sim-model", prompt=long + " more", max_tokens=2)
+            assert fleet.prefill[0].stats()["requests"] == before + 1, "computed locally"
+            router.assert_idle()

@@ -263,6 +263,12 @@ class KvView:
         chunked = len(prompt.chunks) * CHUNK_BYTES
         self.links.learn(prompt.chunks[-1], chunked, prompt.data, ids, index.block_size)
 
+    def lost(self, node_id: int) -> None:
+        """The node was found dead: its engine most likely restarts with an empty cache."""
+        holdings = self._by_node.get(node_id)
+        if holdings is not None:
+            holdings.clear()
+
     def set_capacity(self, node_id: int, tokens: int) -> None:
         """The engine's cache holds ``tokens`` of its tokens (its events said so)."""
         self._capacity[node_id] = tokens

@@ -205,6 +205,7 @@ class Fleet:
             node.hold_until = max(node.hold_until, self.clock() + TIMEOUT_HOLD)
         state = node.failed(failure, self.policy, probe)
         if state is State.DEAD:
+            self.kv.lost(node.id)
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"
             failing = self.fail_bound(node, NodeDead(message), spare=reporter, spare_flowing=True)
             log.warning("%s; failing its %d requests", message, failing)
@@ -255,6 +256,7 @@ class Fleet:
         probe, made by another router)."""
         if state is State.DEAD and node.state not in (State.DEAD, State.DRAINING):
             node.state, node.reason, node.last_error = State.DEAD, reason, message
+            self.kv.lost(node.id)
             message = f"{node.role} node {node.id} ({node.url}) is dead: {message}"
             failing = self.fail_bound(node, NodeDead(message), spare_flowing=True)
             log.warning("%s; failing its %d requests here", message, failing)

@@ -7,6 +7,7 @@ import anyio
 import pytest
 
 from pd_router.errors import Evidence, NodeDead, RouterError, Unavailable
+from pd_router.fleet.holdings import describe
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
 from pd_router.fleet.registry import LOOP, LOOP_HOLD, Fleet
 
@@ -359,3 +360,21 @@ def test_undoing_a_drain_gives_the_node_back_its_health() -> None:
     for _ in range(3):
         fleet.failed(d0, Failure("probe timeout", "slow", Evidence.SOFT), probe=True)
     assert fleet.rejoin(d0, "gone", joining=False) and d0.state is State.UNHEALTHY
+
+
+def test_a_node_found_dead_forgets_what_it_was_predicted_to_hold() -> None:
+    """A dead engine most often comes back as a new process with an empty cache: what the
+    router predicted it held is forgotten at the verdict, its own or another router's.
+    Before, a decode node readmitted after a restart was still predicted to hold a long
+    conversation, and ``--max-local-prefill`` sent it the whole history to compute."""
+    fleet = make_fleet(decode=2)
+    first, second = fleet.pool.nodes
+    prompt = describe({"model": "m", "prompt": "lorem ipsum " * 3000}, fleet.kv.ratio)
+    for node in (first, second):
+        fleet.kv.placed(node.id, node.role, node.url, prompt)
+        assert fleet.kv.of(node.id).held(prompt.chunks) == len(prompt.chunks)
+    fleet.failed(first, REFUSED)
+    fleet.told(second, State.DEAD, "unreachable", "connection refused")
+    assert first.state is State.DEAD and second.state is State.DEAD
+    for node in (first, second):
+        assert fleet.kv.of(node.id).held(prompt.chunks) == 0
