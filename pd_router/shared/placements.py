@@ -32,6 +32,8 @@ CHANNEL = "{pdr}:placements"
 FLUSH = 0.005
 # Placements waiting to go out: ~1 KB each for a 2,000-token prompt.
 OUTBOX = 4096
+# A prompt's tokens in a heard placement: more is no engine's context, but a lie.
+MAX_TOKENS = 1 << 32
 
 Placed = tuple[str, str, list[int], int]  # (role, url, chunk keys, tokens)
 
@@ -83,8 +85,14 @@ class SharedPlacements:
                 async with self.redis.subscribe(CHANNEL) as channel:
                     while True:
                         _, data = await channel.next_message()
-                        self.heard(orjson.loads(data))
-            except (RedisUnavailable, RedisError, orjson.JSONDecodeError) as exc:
+                        try:
+                            message = orjson.loads(data)
+                        except orjson.JSONDecodeError:
+                            # Not another router's: skipped, and the channel kept.
+                            log.info("placements channel: a message that is not JSON, skipped")
+                            continue
+                        self.heard(message)
+            except (RedisUnavailable, RedisError) as exc:
                 log.info("placements channel: %s; subscribing again", exc)
                 await anyio.sleep(RETRY)
 
@@ -102,8 +110,10 @@ class SharedPlacements:
             if not isinstance(item, list) or len(item) != 4:
                 continue
             role, url, chunks, tokens = item
-            node = nodes.get((role, url)) if isinstance(role, str) else None
-            if node is None or not isinstance(chunks, list) or not isinstance(tokens, int):
+            if not (isinstance(role, str) and isinstance(url, str) and type(tokens) is int):
+                continue
+            node = nodes.get((role, url))
+            if node is None or not isinstance(chunks, list) or not 0 <= tokens < MAX_TOKENS:
                 continue
             if not all(isinstance(key, int) for key in chunks):
                 continue
