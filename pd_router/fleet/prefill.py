@@ -362,6 +362,10 @@ class Cost(Prefix):
         self._lately: deque[int] = deque()
         self._lately_counts: dict[int, int] = {}
 
+    def refresh(self) -> None:
+        super().refresh()
+        self._trim()
+
     def _choose(self, key: int, live: list[Node], prompt: Prompt) -> Node:
         view, waiting, chunks, counts = self.view, self.waiting, prompt.chunks, self._counts
         if view.live:
@@ -501,15 +505,22 @@ class Cost(Prefix):
         lately, lately_counts = self._lately, self._lately_counts
         lately.append(chunks[0])
         lately_counts[chunks[0]] = lately_counts.get(chunks[0], 0) + 1
-        if len(lately) > max(len(self.nodes), 1):
-            _decrement(lately_counts, lately.popleft())
         recent, counts = self._recent, self._counts
         recent.append((node_id, len(chunks)))
         counts[node_id] = counts.get(node_id, 0) + 1
         self._chunks += len(chunks)
-        if len(recent) > RECENT_PER_NODE * max(len(self.nodes), 1):
+        self._trim()
+
+    def _trim(self) -> None:
+        """The windows back to their sizes, which follow the fleet's (smaller once nodes
+        were removed: a loop, as more than one may be over)."""
+        nodes = max(len(self.nodes), 1)
+        lately, recent, counts = self._lately, self._recent, self._counts
+        while len(lately) > nodes:
+            _decrement(self._lately_counts, lately.popleft())
+        while len(recent) > RECENT_PER_NODE * nodes:
             gone, gone_chunks = recent.popleft()
-            counts[gone] -= 1
+            _decrement(counts, gone)
             self._chunks -= gone_chunks
 
     def release(self, placement: Placement) -> None:

@@ -9,7 +9,7 @@ from collections import Counter
 
 from pd_router.fleet.holdings import CHUNK_BYTES, describe
 from pd_router.fleet.nodes import Node, make_nodes
-from pd_router.fleet.prefill import LOAD_FACTOR, MISS_WEIGHT, Cost
+from pd_router.fleet.prefill import LOAD_FACTOR, MISS_WEIGHT, RECENT_PER_NODE, Cost
 
 # A shared opening far longer than any fixed cut, then each conversation's own turns.
 OPENING = "Instructions for the agent, to follow to the letter. " * 160
@@ -283,3 +283,23 @@ def test_a_prefill_costs_more_than_its_few_tokens() -> None:
     policy.place(nodes[1], 0, describe(short_question(400, words=56)))
     assert policy.waiting[nodes[0].id] < policy.waiting[nodes[1].id], policy.waiting
     assert policy.pick(0, prompt=describe(short_question(500))) is nodes[1]
+
+
+def test_the_policys_windows_follow_the_fleet_when_it_shrinks() -> None:
+    """The share window is the last ``RECENT_PER_NODE`` x nodes placements and the hot
+    window the last ``len(nodes)``: a fleet scaled down from 16 prefill nodes to 2 has
+    windows for 2 (before, each kept its old length for good, one entry dropped for each
+    added, and the share term and hotness weighed the 16-node fleet's history)."""
+    nodes = prefill_nodes(16)
+    policy = Cost(nodes)
+    for conversation in range(200):
+        place(policy, completion(conversation, 0))
+    del policy.nodes[2:]
+    policy.refresh()
+    assert len(policy._recent) == RECENT_PER_NODE * 2 and len(policy._lately) == 2
+    assert sum(policy._counts.values()) == len(policy._recent)
+    for conversation in range(200, 220):
+        place(policy, completion(conversation, 0))
+    assert len(policy._recent) == RECENT_PER_NODE * 2 and len(policy._lately) == 2
+    # Only the two nodes left are in the windows now, each given its share.
+    assert sorted(policy._counts.items()) == [(0, RECENT_PER_NODE), (1, RECENT_PER_NODE)]
