@@ -19,9 +19,11 @@ token ids, which is what makes them comparable with a prompt's) and its predicte
 * ``AllBlocksCleared`` (``/reset_prefix_cache``, a weights reload), a sequence number
   going back (the engine restarted) and a disconnect (most often the engine's process
   ending): the engine holds nothing; index and prediction are emptied.
-* ``BlockRemoved`` after ``BlockStored``: the engine is evicting, so what it holds now
+* ``BlockRemoved`` of a block stored since the router listened: the engine is evicting
+  what the router saw it store (what it held before went first), so what it holds now
   (stored - removed blocks x block size) is its cache's real capacity; the prediction of
-  that engine is bounded by it instead of by ``--engine-cache-tokens``.
+  that engine is bounded by it instead of by ``--engine-cache-tokens``. Removals of blocks
+  stored before (a router started while the engine's cache was full) teach nothing.
 
 A gap in the sequence numbers (the subscriber fell behind: ZMQ drops what a slow
 subscriber does not take), a message that does not parse, a disconnect, or an index
@@ -190,8 +192,7 @@ class EventStream:
     state: str = WAITING
     seq: int | None = None
     batches: int = 0
-    # Blocks the engine holds now, by its events (stored - removed), and their size.
-    blocks: int = 0
+    # The size of the engine's blocks (how many it holds now: ``index.blocks``).
     block_size: int = 0
     # The engine's cache, in its tokens, once it has evicted (None before).
     capacity: int | None = None
@@ -248,25 +249,25 @@ class EventStream:
         index = self.index
         for event in batch.events:
             if isinstance(event, Stored):
-                self.blocks += len(event.hashes)
                 if not index.stored(
                     event.hashes, event.parent, event.ids, event.block_size, event.extra
                 ):
                     self.unkeyed += len(event.hashes)
                 self.block_size = index.block_size or event.block_size
             elif isinstance(event, Removed):
-                if self.capacity is None or self.blocks > self.capacity // max(self.block_size, 1):
-                    # Evicting at this fill: the cache is this big (no bigger than an index
-                    # may be: a lie's count of blocks stored is no bound).
-                    self.capacity = min(self.blocks, self.max_blocks) * self.block_size
-                self.blocks = max(self.blocks - len(event.hashes), 0)
-                index.removed(event.hashes)
+                blocks = index.blocks
+                if index.removed(event.hashes) and (
+                    self.capacity is None or blocks > self.capacity // max(self.block_size, 1)
+                ):
+                    # Evicting at this fill a block stored since the router listened: the
+                    # cache holds this much (the blocks stored before went first; no more
+                    # than an index may hold: a lie's count of blocks is no bound).
+                    self.capacity = min(blocks, self.max_blocks) * self.block_size
             else:
                 self.clears += 1
                 self.forget(holdings)
 
     def forget(self, holdings: Holdings) -> None:
-        self.blocks = 0
         self.index.clear()
         holdings.clear()
 
@@ -277,8 +278,8 @@ class EventStream:
             "state": self.state,
             "seq": self.seq,
             "batches": self.batches,
-            "blocks": self.blocks,
-            "indexed_blocks": len(self.index),
+            "blocks": self.index.blocks,
+            "indexed_blocks": self.index.keyed,
             "unkeyed_blocks": self.unkeyed,
             "block_size": self.block_size,
             "capacity_tokens": self.capacity,

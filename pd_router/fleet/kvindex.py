@@ -67,20 +67,40 @@ def leading_held(keys: Sequence[int], count: int, held: Container[int]) -> int:
 
 
 class BlockIndex:
-    """One engine's blocks, by its events: engine hash -> the router's key for it."""
+    """One engine's blocks, by its events: engine hash -> the router's key for it.
 
-    __slots__ = ("block_size", "_names", "_held")
+    Every block the engine stored since the router listened is followed, keyed or not: a
+    block whose chain began before (its parent unknown) is held all the same, but cannot be
+    compared with a prompt (no key). vLLM does not de-duplicate its cache (two requests
+    computing one prefix at once each cache a copy, and evict each on its own), so a hash
+    stored again is another copy, held until each copy was removed. (A request with
+    ``kv_cache_report_mode: "full"`` restates the blocks it reused: each restatement
+    counts as a copy, and the block outlives its eviction in the index until a clear.)"""
+
+    __slots__ = ("block_size", "blocks", "_names", "_held", "_copies", "_unkeyed")
 
     def __init__(self) -> None:
         # The engine's block size (0 until a full block was stored).
         self.block_size = 0
-        self._names: dict[Hashable, int] = {}
+        # Blocks held now, copies included: what the engine's cache holds of what the
+        # router heard stored (``fleet/kvevents.py`` learns its capacity from it).
+        self.blocks = 0
+        self._names: dict[Hashable, int | None] = {}
         # Keys held, with how many engine blocks have that key (blocks with the same tokens
         # but other extra keys, a LoRA or a cache salt, are other keys: see ``stored``).
         self._held: dict[int, int] = {}
+        # Hashes held in more than one copy, and how many.
+        self._copies: dict[Hashable, int] = {}
+        self._unkeyed = 0
 
     def __len__(self) -> int:
+        """Hashes followed, keyed or not."""
         return len(self._names)
+
+    @property
+    def keyed(self) -> int:
+        """Hashes followed that a prompt can be compared with."""
+        return len(self._names) - self._unkeyed
 
     def stored(
         self,
@@ -90,22 +110,20 @@ class BlockIndex:
         block_size: int,
         extra: Sequence[object] | None = None,
     ) -> bool:
-        """A BlockStored event; False if it could not be keyed (its parent is unknown: the
-        router joined after it was stored, or missed it)."""
+        """A BlockStored event; False if it could not be keyed (its parent is unknown or
+        unkeyed: the router joined after it was stored, or missed it). Token ids that are
+        not these blocks' are no blocks, and are not followed."""
         if len(ids) != len(hashes) * block_size:
             return False
-        if parent is None:
-            key = 0
-        else:
-            known = self._names.get(parent)
-            if known is None:
-                return False
-            key = known
+        key = 0 if parent is None else self._names.get(parent)
+        if key is None:
+            self._follow(hashes)
+            return False
         if len(hashes) > 1 or self.block_size == 0:
             # A single block may be a partial one (vLLM's fine-grained hits): the engine's
             # block size is what a run of blocks says.
             self.block_size = max(self.block_size, block_size)
-        names, held = self._names, self._held
+        names, held, copies = self._names, self._held, self._copies
         ids = tuple(ids)  # sliced into tuples at once
         for index, block_hash in enumerate(hashes):
             start = index * block_size
@@ -115,30 +133,63 @@ class BlockIndex:
                 key = hash((key, tokens)) if salt is None else hash((key, tokens, repr(salt)))
             except (TypeError, RecursionError):
                 # Token ids that are not numbers, or extra keys nested past what ``repr``
-                # reads: not a block a prompt can be.
+                # reads: no block a prompt can be, nor those chained to it.
+                self.blocks += index
+                self._follow(hashes[index:])
                 return False
             if block_hash in names:
-                # Restated (a reused block, vLLM's "full" report mode): already counted.
-                continue
-            names[block_hash] = key
-            held[key] = held.get(key, 0) + 1
+                copies[block_hash] = copies.get(block_hash, 1) + 1
+            else:
+                names[block_hash] = key
+                held[key] = held.get(key, 0) + 1
+        self.blocks += len(hashes)
         return True
 
-    def removed(self, hashes: Sequence[Hashable]) -> None:
-        names, held = self._names, self._held
+    def _follow(self, hashes: Sequence[Hashable]) -> None:
+        """Blocks held that no prompt can be compared with."""
+        names, copies = self._names, self._copies
         for block_hash in hashes:
-            key = names.pop(block_hash, None)
-            if key is None:
+            if block_hash in names:
+                copies[block_hash] = copies.get(block_hash, 1) + 1
+            else:
+                names[block_hash] = None
+                self._unkeyed += 1
+        self.blocks += len(hashes)
+
+    def removed(self, hashes: Sequence[Hashable]) -> int:
+        """A BlockRemoved event; how many of the blocks were followed (removals of others,
+        stored before the router listened, say nothing of what it holds now)."""
+        names, held, copies = self._names, self._held, self._copies
+        known = 0
+        for block_hash in hashes:
+            if block_hash not in names:
                 continue
-            left = held[key] - 1
-            if left:
-                held[key] = left
+            known += 1
+            self.blocks -= 1
+            left = copies.get(block_hash)
+            if left is not None:
+                if left > 2:
+                    copies[block_hash] = left - 1
+                else:
+                    del copies[block_hash]
+                continue
+            key = names.pop(block_hash)
+            if key is None:
+                self._unkeyed -= 1
+                continue
+            count = held[key] - 1
+            if count:
+                held[key] = count
             else:
                 del held[key]
+        return known
 
     def clear(self) -> None:
         self._names.clear()
         self._held.clear()
+        self._copies.clear()
+        self._unkeyed = 0
+        self.blocks = 0
 
     def held(self, keys: Sequence[int], count: int) -> int:
         """How many of the first ``count`` blocks of ``keys`` the engine holds."""

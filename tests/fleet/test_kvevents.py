@@ -88,7 +88,7 @@ def test_a_clear_or_a_restart_empties_the_engines_predicted_holdings() -> None:
     streams.apply(0, batch(0, stored(3)))
     assert stream.state == LIVE and streams.live(0) and view.of(0).held([1, 2, 3]) == 3
     streams.apply(0, batch(1, ["AllBlocksCleared"]))
-    assert view.of(0).held([1, 2, 3]) == 0 and stream.clears == 1 and stream.blocks == 0
+    assert view.of(0).held([1, 2, 3]) == 0 and stream.clears == 1 and stream.index.blocks == 0
     view.of(0).insert([1, 2, 3])
     streams.apply(0, batch(2, stored(1)))
     # The sequence starts again: a new engine process, with an empty cache.
@@ -145,8 +145,11 @@ def test_a_publisher_that_stores_and_never_evicts_is_bounded() -> None:
         streams.apply(0, batch(seq, [*event, None, None]))
         assert len(stream.index) <= 100
     assert stream.faults == {"overflow": 2} and stream.state == DEGRADED
-    # A removal after it (of blocks it never held) teaches no cache larger than that.
+    # A removal after it teaches no cache larger than an index may hold: of a block never
+    # stored, nothing; of one stored, no more than ``max_blocks``.
     streams.apply(0, batch(30, ["BlockRemoved", [10**6], None]))
+    assert stream.capacity is None
+    streams.apply(0, batch(31, ["BlockRemoved", [29 * 8], None]))
     assert stream.capacity is not None and stream.capacity <= 100 * 16
 
 
@@ -162,3 +165,25 @@ def test_evictions_teach_the_engines_capacity() -> None:
     assert view.of(0).capacity == 40 * 16 // CHUNK_TOKENS
     view.of(0).insert(list(range(100)))
     assert len(view.of(0)) == 40 * 16 // CHUNK_TOKENS
+
+
+def test_a_router_that_joins_a_full_cache_learns_its_capacity_once_it_turned_over() -> None:
+    """A router started while the engine's cache was full hears each step evict an old block
+    it never saw stored and store a new one. Those removals teach nothing; once the cache
+    has turned over, the evictions are of blocks it saw stored, and what it holds then is
+    the cache. Before, every removal counted, the count of blocks held stayed near 1, and
+    the capacity learned was one block (16 tokens) for the engine's 320,000."""
+    view = KvView(cache_tokens=1_000_000)
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    blocks = 2_000
+    old = list(range(blocks))  # held before the router listened
+    new = 10**6
+    for step in range(2 * blocks):
+        gone = old[step] if step < blocks else new - blocks
+        stored_one = ["BlockStored", [new], None, list(range(16)), 16, None, None]
+        streams.apply(0, batch(500 + step, ["BlockRemoved", [gone], None], stored_one))
+        new += 1
+        if step < blocks:
+            assert stream.capacity is None
+    assert stream.capacity == blocks * 16

@@ -136,7 +136,8 @@ def test_blocks_whose_parent_the_router_never_heard_of_are_not_keyed() -> None:
     streams = EventStreams(KvView())
     stream = streams.watch(0, "tcp://p0:5557")
     apply(streams, 0, engine.prefill(tokens(words("a", 64) + " " + words("b", 64))))
-    assert stream.unkeyed == 4 and len(stream.index) == 0
+    # Followed (the engine holds them, and their removal says so), never compared.
+    assert stream.unkeyed == 4 and stream.index.keyed == 0 and stream.index.blocks == 4
 
 
 def test_blocks_with_extra_keys_are_other_blocks() -> None:
@@ -287,3 +288,22 @@ def test_token_ids_an_engine_lies_about_teach_nothing_and_raise_nothing() -> Non
         prompt = describe({"model": "m", "prompt": text})
         fleet.view.learn(node.id, prompt, lie)
         assert fleet.view.links.match(prompt.chunks, prompt.data) is None
+
+
+def test_a_block_stored_twice_is_held_until_both_copies_are_removed() -> None:
+    """vLLM does not de-duplicate its cache: two requests computing one prefix at once each
+    cache a copy under the same hash, and evict each on its own. Before, the first removal
+    took the block out of the index while the other copy still served hits, and the next
+    turn, chained to it, was unkeyed."""
+    index = BlockIndex()
+    ids = list(range(4 * BLOCK))
+    hashes = [101, 102, 103, 104]
+    assert index.stored(hashes, None, ids, BLOCK)
+    assert index.stored(hashes, None, ids, BLOCK)
+    keys = block_keys(ids + list(range(100, 100 + 2 * BLOCK)), BLOCK)
+    assert index.removed([104, 103]) == 2
+    assert index.held(keys, 4) == 4 and index.blocks == 6
+    assert index.stored([201, 202], 104, list(range(100, 100 + 2 * BLOCK)), BLOCK)
+    assert index.held(keys, 6) == 6
+    assert index.removed([104, 103, 999]) == 2, "a hash never stored is no block followed"
+    assert index.held(keys, 6) == 2 and index.blocks == 6
