@@ -13,6 +13,7 @@ import errno
 import gc
 import ipaddress
 import logging
+import math
 import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
@@ -61,9 +62,12 @@ log = logging.getLogger("pd_router")
 
 def _number(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        return float("nan")  # fails every range check below
+        value = float("nan")
+    # A number of seconds is finite ("inf" made the prober's tick NaN, and the prober and
+    # the model watch crash and restart twice a second): NaN fails every check below.
+    return value if math.isfinite(value) else float("nan")
 
 
 @config.reads_number

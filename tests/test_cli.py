@@ -106,6 +106,11 @@ def marked(mark: str) -> list[int]:
             "pd-router: error: argument --connect-timeout: must be a number of seconds > 0",
         ),
         (
+            [*ENGINES, "--stall-timeout", "1e309"],
+            {},
+            "pd-router: error: argument --stall-timeout: must be a number of seconds >= 0",
+        ),
+        (
             ["demo", "--ttft", "-1"],
             {},
             "pd-router demo: error: argument --ttft: must be a number of seconds >= 0, got '-1'",

@@ -194,6 +194,8 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
     ("toml", "expected"),
     [
         ("queue_timeout = -1\n", "queue_timeout: must be a number of seconds >= 0, got '-1'"),
+        ("health_interval = inf\n", "health_interval: must be a number of seconds >= 0"),
+        ("read_timeout = nan\n", "read_timeout: must be a number of seconds > 0"),
         ('queue_timeout = "soon"\n', 'queue_timeout: expected a number, got "soon"'),
         ('queue_timeout = "5"\n', 'queue_timeout: expected a number, got "5"'),
         ("decode_slots = 0\n", "decode_slots: must be a whole number >= 1, got '0'"),
@@ -233,6 +235,7 @@ def test_bad_value_in_file_is_refused_naming_the_key(
     [
         ({"PD_ROUTER_PORT": "http"}, "PD_ROUTER_PORT: must be a whole number from 0 to 65535"),
         ({"PD_ROUTER_HEALTH_INTERVAL": "-2"}, "PD_ROUTER_HEALTH_INTERVAL: must be a number"),
+        ({"PD_ROUTER_HEALTH_INTERVAL": "inf"}, "PD_ROUTER_HEALTH_INTERVAL: must be a number"),
         ({"PD_ROUTER_ACCESS_LOG": "maybe"}, "PD_ROUTER_ACCESS_LOG: expected one of 1, true"),
         ({"PD_ROUTER_LOG_FORMAT": "xml"}, "PD_ROUTER_LOG_FORMAT: expected one of text, json"),
         ({"PD_ROUTER_DECODE": "http://d0:8200,slots=x"}, "PD_ROUTER_DECODE: 'http://d0:8200,"),
