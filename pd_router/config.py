@@ -42,7 +42,7 @@ NODE_TABLE_KEYS = ("url", "slots", "labels")
 DNS_KEYS = ("prefill_dns", "decode_dns")
 DNS_TABLE_KEYS = ("name", "port", "slots", "labels")
 # Settings whose value no message repeats: tokens, and a URL that may carry a password.
-SECRETS = frozenset({"admin_token", "engine_api_key", "state"})
+SECRETS = frozenset({"admin_token", "engine_api_key", "state", "otlp_traces_endpoint"})
 
 # The flags' type functions that read a number (``reads_number``).
 _NUMBERS: set[Callable[[str], Any]] = {int, float}

@@ -576,7 +576,8 @@ def _serve(
         workers.tag_logs(worker, args.log_format)
     if args.tracing is not None:
         router.tracer = tracing.load(args.tracing)(args.tracing.endpoint)
-        log.info("tracing: OTLP/HTTP to %s (%s)", args.tracing.endpoint, args.tracing.source)
+        endpoint = tracing.shown(args.tracing.endpoint)
+        log.info("tracing: OTLP/HTTP to %s (%s)", endpoint, args.tracing.source)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,

@@ -106,6 +106,14 @@ def marked(mark: str) -> list[int]:
             "pd-router: error: argument --connect-timeout: must be a number of seconds > 0",
         ),
         (
+            # A collector's credentials in a mistyped URL are not repeated.
+            [*ENGINES, "--otlp-traces-endpoint", "ftp://user:S3cretT0ken@collector/v1/traces"],
+            {},
+            "pd-router: error: argument --otlp-traces-endpoint: expected an http:// or https:// "
+            "URL of an OTLP/HTTP collector (http://collector:4318/v1/traces), got "
+            "'ftp://***@collector/v1/traces'",
+        ),
+        (
             [*ENGINES, "--stall-timeout", "1e309"],
             {},
             "pd-router: error: argument --stall-timeout: must be a number of seconds >= 0",

@@ -358,7 +358,10 @@ def test_spans_still_queued_are_exported_on_shutdown(
     prefill, decode = [e.url for e in sims.prefill], [e.url for e in sims.decode]
     # A schedule no test waits out: only the flush at shutdown can send these spans.
     env = {"OTEL_BSP_SCHEDULE_DELAY": "600000"}
-    with RouterProcess(prefill, decode, "--otlp-traces-endpoint", receiver.url, env=env) as router:
+    # With the collector's Basic credentials in the URL: used, and never logged.
+    endpoint = receiver.url.replace("http://", "http://collector:S3cretT0ken@")
+    args = ("--otlp-traces-endpoint", endpoint, "--log-level", "info")
+    with RouterProcess(prefill, decode, *args, env=env) as router:
         client_for(router).completions.create(
             model="sim-model",
             prompt="last words",
@@ -366,8 +369,10 @@ def test_spans_still_queued_are_exported_on_shutdown(
             extra_headers={"x-request-id": "last-1"},
         )
         posts = receiver.posts
+        logged = router.log()
         assert router.stop(timeout=30) == 0
     spans = receiver.request_trace("last-1", 5)
+    assert "S3cretT0ken" not in logged and "OTLP/HTTP to http://***@127.0.0.1:" in logged
     assert receiver.posts > posts
     assert {span.name for span in spans} >= {"POST /v1/completions", "prefill", "decode"}
 

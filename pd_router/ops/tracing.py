@@ -103,9 +103,18 @@ def _checked(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise TracingError(
             "expected an http:// or https:// URL of an OTLP/HTTP collector "
-            f"(http://collector:4318/v1/traces), got {url!r}"
+            f"(http://collector:4318/v1/traces), got {shown(url)!r}"
         )
     return url
+
+
+def shown(url: str) -> str:
+    """The URL as a message or the log shows it: a user and password in it (the
+    collector's Basic credentials, which the exporter sends) as ``***``."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _from_env(name: str, url: str) -> str:
