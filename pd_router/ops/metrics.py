@@ -103,7 +103,10 @@ class Telemetry:
             (e, o, ""): 0 for e in PATHS for o in OUTCOMES
         }
         self.keys = keys
-        self.upstream_errors: dict[tuple[Node, str], int] = {}
+        # By (node id, url, role, kind): the node's labels, not the node, so that a node
+        # removed and added again under its id (``--state``) is one series, and a removed
+        # one's series go (``_StateCollector``) instead of its object staying for good.
+        self.upstream_errors: dict[tuple[str, str, str, str], int] = {}
         # (policy, "hit" or "miss"): prefill picks, by whether the prefix went where it
         # went last time.
         self.prefill_picks: dict[tuple[str, str], int] = {}
@@ -138,7 +141,7 @@ class Telemetry:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
     def upstream_error(self, node: Node, kind: str) -> None:
-        key = (node, kind)
+        key = (str(node.id), node.url, node.role, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
 
     def prefill_picked(self, policy: str, hit: bool) -> None:
@@ -183,8 +186,12 @@ class _StateCollector(Collector):
             "Engine failures seen by requests, by node and kind.",
             labels=["node", "url", "role", "kind"],
         )
-        for (node, kind), count in self._telemetry.upstream_errors.items():
-            errors.add_metric([str(node.id), node.url, node.role, kind], count)
+        counted = self._telemetry.upstream_errors
+        nodes = {(str(node.id), node.url, node.role) for node in fleet.nodes}
+        for gone in [series for series in counted if series[:3] not in nodes]:
+            del counted[gone]  # a node removed: its series end (DNS churn is unbounded)
+        for series, count in counted.items():
+            errors.add_metric(list(series), count)
         yield errors
         picks = CounterMetricFamily(
             "pd_router_prefill_picks",
