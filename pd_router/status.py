@@ -21,6 +21,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.config import ENV_PREFIX
+from pd_router.ops.logs import escaped
 from pd_router.parser import Parser, parse
 
 # The router's own variable for --admin-token, so one export serves both.
@@ -63,6 +64,8 @@ class Snapshot:
     shutting_down: bool | None = None
     # With a shared state (``--state``): every router's requests in flight, by router id.
     routers: dict[str, int] | None = None
+    # Why ``/health`` says the router takes no request now (None: it does, or unknown).
+    not_ready: str | None = None
 
 
 def from_metrics(text: str) -> Snapshot:
@@ -151,6 +154,8 @@ def format_table(snapshot: Snapshot, router: str) -> str:
         summary += f" on {len(routers)} routers"
     if snapshot.shutting_down:
         summary += ", SHUTTING DOWN"
+    elif snapshot.not_ready:
+        summary += f", NOT READY: {snapshot.not_ready}"
     if not nodes:
         return summary + "\n(no nodes)\n"
     with_requests = any(node.requests is not None for node in nodes)
@@ -175,13 +180,17 @@ def format_table(snapshot: Snapshot, router: str) -> str:
             row.append(_models(node.models))
         if with_labels:
             row.append(",".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items())))
-        table.append(row)
+        # What engines and the admin API wrote reaches a terminal: nothing in it may move
+        # the cursor, clear the screen or start a line of its own.
+        table.append([escaped(cell) for cell in row])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [summary, ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     if routers is not None:
         lines.append("")
-        lines += [f"router {name}: {count} in flight" for name, count in sorted(routers.items())]
+        lines += [
+            f"router {escaped(name)}: {count} in flight" for name, count in sorted(routers.items())
+        ]
     # Why a node is not serving (the evidence), and the last error of a failing one.
     notes = [n for n in nodes if n.reason or (n.last_error and n.failures)]
     if notes:
@@ -207,7 +216,7 @@ def _models(models: list[str] | None) -> str:
 
 def _note(node: NodeRow) -> str:
     why = f"node {node.id} {node.state} ({node.reason})" if node.reason else f"node {node.id}"
-    return f"{why} last error: {node.last_error}" if node.last_error else why
+    return escaped(f"{why} last error: {node.last_error}" if node.last_error else why)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -233,18 +242,9 @@ def fetch(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:
 def snapshot(router: str, token: str | None, timeout: float) -> tuple[Snapshot, str | None]:
     """Ask the router; a note for stderr when the admin API was wanted but is not there."""
     try:
-        if token:
-            try:
-                document = orjson.loads(fetch(f"{router}/admin/nodes", token, timeout))
-                return from_admin(document), None
-            except urllib.error.HTTPError as exc:
-                if exc.code == 401:
-                    raise StatusError("the admin token was refused (401)") from None
-                if exc.code != 404:
-                    raise
-                note = "the router has no admin API (--admin-token unset): showing /metrics"
-                return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), note
-        return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), None
+        result, note = _nodes(router, token, timeout)
+        result.not_ready = _not_ready(router, timeout)
+        return result, note
     except urllib.error.HTTPError as exc:
         raise StatusError(f"{exc.url} answered {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
@@ -252,6 +252,42 @@ def snapshot(router: str, token: str | None, timeout: float) -> tuple[Snapshot, 
     except (OSError, ValueError) as exc:
         # Timeouts, resets, and answers that are not what a router sends.
         raise StatusError(f"cannot read it: {exc}") from None
+
+
+def _nodes(router: str, token: str | None, timeout: float) -> tuple[Snapshot, str | None]:
+    if token:
+        try:
+            document = orjson.loads(fetch(f"{router}/admin/nodes", token, timeout))
+            return from_admin(document), None
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise StatusError("the admin token was refused (401)") from None
+            if exc.code != 404:
+                raise
+            note = "the router has no admin API (--admin-token unset): showing /metrics"
+            return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), note
+    return from_metrics(fetch(f"{router}/metrics", None, timeout).decode()), None
+
+
+def _not_ready(router: str, timeout: float) -> str | None:
+    """Why the router's ``/health`` answers 503 (every request is refused meanwhile): its
+    nodes may all look well while its shared state (Redis) is away."""
+    try:
+        fetch(f"{router}/health", None, timeout)
+        return None
+    except urllib.error.HTTPError as exc:
+        if exc.code != 503:
+            raise
+        document = orjson.loads(exc.read())
+    if not isinstance(document, dict):
+        raise ValueError("/health answered 503 with no JSON object")
+    reasons = []
+    if document.get("shared_state") == "unavailable":
+        reasons.append("shared state (--state) unavailable")
+    for role in ("prefill", "decode"):
+        if document.get(f"{role}_nodes") == 0:
+            reasons.append(f"no {role} node serving")
+    return ", ".join(reasons) or str(document.get("status"))
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:

@@ -207,6 +207,32 @@ def test_format_table() -> None:
     )
 
 
+def test_what_engines_and_the_admin_api_wrote_cannot_drive_the_terminal() -> None:
+    """An engine's error text (its own message, passed on as ``last_error``) and labels set
+    through the admin API reach the operator's terminal: escape sequences, carriage
+    returns, line breaks and bidi overrides in them are shown escaped, so none can clear
+    the screen, set the window's title or forge a line of the table."""
+    lie = "boom\x1b[2J\x1b]2;pwned\x07\r\nnode 0 serving (fake) all good\u202e"
+    row = NodeRow(0, "prefill", "http://p0:8100", "serving", 1, 0, 1, {"z\x1b[1m": "a"}, None, lie)
+    table = format_table(Snapshot(nodes=[row]), "http://r")
+    assert table.isprintable() is False  # its own line breaks
+    assert all(line.isprintable() for line in table.splitlines())
+    assert len(table.splitlines()) == 6
+    assert table.splitlines()[-1] == (
+        "node 0 last error: boom\\u001b[2J\\u001b]2;pwned\\u0007\\u000d\\u000a"
+        "node 0 serving (fake) all good\\u202e"
+    )
+
+
+def test_a_router_not_ready_says_why_in_the_header() -> None:
+    row = NodeRow(0, "decode", "http://d0:8200", "dead", 2, 0, 3)
+    snapshot = Snapshot(nodes=[row], not_ready="no prefill node serving, no decode node serving")
+    assert format_table(snapshot, "http://r").splitlines()[0] == (
+        "pd-router http://r: 0 of 1 nodes serving, decode slots 0/2 in use, 0 queued, "
+        "0 in flight, NOT READY: no prefill node serving, no decode node serving"
+    )
+
+
 def test_format_table_leaves_out_what_the_source_does_not_know() -> None:
     snapshot = Snapshot(nodes=[NodeRow(0, "decode", "http://d0:8200", "serving", 2, 1, 0)])
     assert format_table(snapshot, "http://r:8000").splitlines()[2:] == [
@@ -390,6 +416,28 @@ def test_status_of_routers_sharing_a_state_counts_every_routers_slots(
     assert header[:6] == ["ID", "ROLE", "STATE", "SLOTS", "FAILURES", "REQUESTS"]
     assert header[-1] == "MODELS" and row[-1] == "sim-model"
     assert row[1:6] == ["decode", "serving", "2/2", "0", "2"]
+
+
+def test_status_says_when_the_router_refuses_every_request(fleet: SimFleet) -> None:
+    """Its Redis gone, a router with ``--state`` answers 503 to every request and to
+    ``/health`` while its nodes look well: the header says so (before, "2 of 2 nodes
+    serving", and nothing else)."""
+    prefill, decode = [fleet.prefill[0].url], [fleet.decode[0].url]
+    with RedisServer() as redis:
+        args = ("--state", redis.url, "--admin-token", TOKEN)
+        with RouterProcess(prefill, decode, *args) as router:
+            assert "NOT READY" not in status("--url", router.url).stdout
+            redis.kill()
+            wait_for(
+                lambda: httpx.get(f"{router.url}/health", timeout=10).status_code == 503,
+                what="/health 503",
+            )
+            for token in (None, TOKEN):
+                done = status("--url", router.url, token=token)
+                assert done.returncode == 0, done.stderr
+                header = done.stdout.splitlines()[0]
+                assert header.endswith("NOT READY: shared state (--state) unavailable"), header
+                assert "2 of 2 nodes serving" in header
 
 
 def test_a_redirect_is_an_error_and_the_token_goes_nowhere_else() -> None:
