@@ -491,11 +491,12 @@ def _failure(url: str, what: str, exc: BaseException) -> UpstreamError:
     if isinstance(exc, ssl.SSLError | TlsRefused):
         # After the handshake: TLS 1.3 refuses a client certificate only then.
         return tls_failure(url, exc)
-    message = f"{url}: {what}: {_describe(exc)}"
     if isinstance(exc, TimeoutError):
-        # The request's own outcome (504), not a verdict on the engine: a long answer is
-        # not a failure, and a hung engine is the stall watch's to find.
+        # The request's own outcome (504); a verdict on a prefill engine only (the relay):
+        # a long answer is not a failure. The connection was not lost: the router gave up.
+        message = f"{url}: {_describe(exc)}"
         return UpstreamError(message, status=504, code="timeout", kind="timeout")
+    message = f"{url}: {what}: {_describe(exc)}"
     if isinstance(exc, ProtocolViolation):
         return UpstreamError(message, kind="protocol", code=exc.code)
     return UpstreamError(message, kind="broken_stream")
