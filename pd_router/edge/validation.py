@@ -59,6 +59,12 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     _check_structure(body)
     _check_optional(body, "stream", bool, "a boolean")
     _check_optional(body, "stream_options", dict, "an object")
+    if body.get("stream_options") and not body.get("stream"):
+        # vLLM's own rule, checked by the decode engine only after the prefill engine had
+        # computed the prompt and pinned its KV for it.
+        raise BadRequest(
+            "'stream_options' can only be given with 'stream': true", param="stream_options"
+        )
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
         if value is not None and (not _is_int(value) or value < 1):

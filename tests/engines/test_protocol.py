@@ -169,6 +169,11 @@ def test_patch_usage_leaves_documents_without_usage_untouched() -> None:
         (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "completions", "max_tokens"),
         (b'{"model": "m", "prompt": "x", "max_tokens": true}', "completions", "max_tokens"),
         (b'{"model": "m", "prompt": "x", "stream_options": 1}', "completions", "stream_options"),
+        (
+            b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}',
+            "completions",
+            "stream_options",
+        ),
     ],
 )
 def test_bad_requests_are_400_with_the_offending_param(
