@@ -52,7 +52,7 @@ from pd_router.edge.protocol import DEPARTURE, WIRE, Departure
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
 from pd_router.engines import handshake
-from pd_router.engines.client import Response, Upstream
+from pd_router.engines.client import Response, Upstream, streamed_error
 from pd_router.engines.sse import EventRelay, with_usage_fixed
 from pd_router.errors import (
     Evidence,
@@ -190,6 +190,8 @@ class Relay:
         # What ``_predicted_cached`` came from: "prediction" or "events".
         self._cache_source = "prediction"
         self._decode_node: Node | None = None
+        # The engine's error event passed on in a stream the client has whole.
+        self._passed_on: UpstreamError | None = None
         self.trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,8 +216,10 @@ class Relay:
             error = self._failure or error
             if client.answered:
                 # Whatever happened after (the engine died as its stream ended), the
-                # request was served.
-                self.outcome = "ok"
+                # request was served, unless the engine said in it that it failed.
+                passed_on = self._passed_on
+                self.outcome = "ok" if passed_on is None else passed_on.outcome or "decode_error"
+                error = passed_on or error
             elif error is not None:
                 self.outcome = error.outcome or self.outcome
                 await client.fail(error)
@@ -387,7 +391,10 @@ class Relay:
                 fleet.kv.placed(node.id, node.role, node.url, prompt)
             if self.stream:
                 binding.stream = answer  # started: the stall watch looks at it from now on
-                await self._relay_events(client, answer, prefilled, first)
+                passed_on = await self._relay_events(client, answer, prefilled, first)
+                if passed_on is not None:
+                    self._passed_on = self._engine_failed(node, passed_on)
+                    return
             else:
                 await self._relay_json(client, answer, prefilled)
         except UpstreamError as error:
@@ -610,7 +617,7 @@ class Relay:
         answer: Response,
         prefilled: handshake.Prefilled,
         data: bytes,
-    ) -> None:
+    ) -> UpstreamError | None:
         """Stream the answer, starting with ``data``, its bytes read in the hand-off.
 
         Once the client's response has begun, the rest is poured: passed on from the engine
@@ -629,6 +636,9 @@ class Relay:
                     # Events end with a blank line; inside one, line breaks are escaped.
                     trace.events += ready.count(b"\n\n")
                 if not client.started:
+                    if events.error_first:
+                        # The engine failed before its first token: a real error status.
+                        raise streamed_error(answer.url, events.error or b"")
                     # Headers go out with the first event, not before: the client sees
                     # both in one wake-up, and an engine failing before its first event
                     # still gets the client a real error status, not a 200 and an event.
@@ -651,6 +661,8 @@ class Relay:
         # body (holds it open, or sends on), costs only the connection, not the slot until
         # the read timeout (and the node a stall verdict).
         await answer.finish(AFTER_DONE)
+        # An error event passed on (the client has it, then [DONE]): the request failed.
+        return None if events.error is None else streamed_error(answer.url, events.error)
 
     async def _pour(
         self, client: ClientStream, answer: Response, events: EventRelay, ready: bytes

@@ -205,6 +205,22 @@ class Response:
         return UpstreamError(message, status=self.status, code=code, kind=kind)
 
 
+def streamed_error(url: str, payload: bytes) -> UpstreamError:
+    """An error event in an engine's stream (vLLM's ``{"error": {...}}`` for an error raised
+    while it generated) as the error it would have answered before its stream began: its
+    ``code`` as the status (500 if it has none an engine answers with)."""
+    try:
+        document = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        document = None
+    error = document.get("error") if isinstance(document, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    status = code if type(code) is int and 400 <= code < 600 else 500
+    message = engine_message(payload) or f"HTTP {status}"
+    kind = "http_4xx" if status < 500 else "http_5xx"
+    return UpstreamError(f"{url}: {message}", status=status, kind=kind)
+
+
 def _message(url: str, status: int, raw: bytes) -> str:
     message = engine_message(raw)
     if message is not None:

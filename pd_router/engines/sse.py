@@ -19,6 +19,8 @@ _CRLF_BOUNDARY = b"\r\n\r\n"
 # Each is the whole last event: inside an event's JSON a line break is always escaped.
 _DONE_EVENTS = (DONE, b"data: [DONE]\r\n\r\n")
 _USAGE_MARK = b'"prompt_tokens"'
+# vLLM's event for an error raised while it generated: ``data: {"error": {...}}``.
+_ERROR_MARK = b'data: {"error"'
 # An engine that never ends an event must not grow our memory without bound.
 MAX_EVENT_BYTES = 1 << 20
 
@@ -54,6 +56,11 @@ class EventRelay:
         self._fix = fix
         self._pending = b""
         self.done = False
+        # The first error event the engine sent (its JSON), and whether it came before any
+        # other event (then no answer has begun: the client can get a real error status).
+        self.error: bytes | None = None
+        self.error_first = False
+        self._fed = False
 
     def feed(self, data: bytes) -> bytes:
         buffered = self._pending + data if self._pending else data
@@ -72,6 +79,13 @@ class EventRelay:
                 break
         if ready.find(_USAGE_MARK) >= 0:
             ready = self._patch(ready)
+        if self.error is None:
+            at = ready.find(_ERROR_MARK)
+            if at >= 0:
+                # An event's JSON is one line: it ends at the first line break.
+                self.error = ready[at + 6 : ready.find(b"\n", at)].rstrip(b"\r")
+                self.error_first = at == 0 and not self._fed
+        self._fed = True
         return ready
 
     def _patch(self, ready: bytes) -> bytes:

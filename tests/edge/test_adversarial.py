@@ -315,6 +315,48 @@ def test_an_engine_that_holds_its_body_open_after_done_does_not_hold_the_slot(
     assert router.metrics()[ok] >= before + 1
 
 
+def engine_error(code: int) -> bytes:
+    """vLLM's event for an error raised while it generated (``create_streaming_error_response``)."""
+    error = {"message": "boom", "type": "InternalServerError", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "code", "outcome"),
+    [(0, 500, "decode_error"), (0, 400, "bad_request"), (2, 500, "decode_error")],
+    ids=["first-500", "first-400", "mid-stream"],
+)
+def test_an_engines_error_event_is_the_requests_failure(
+    router: RouterProcess, liar: LyingEngine, tokens: int, code: int, outcome: str
+) -> None:
+    """vLLM reports an error raised while it generates as one ``data: {"error": ...}``
+    event, then ``[DONE]``. First, before any token: the client gets a real error status,
+    the engine's. After tokens: the client has them, the error event and ``[DONE]`` as the
+    engine sent them. Either way the request is counted failed, a 5xx against the node as
+    any 5xx is (before, both were ``ok``, their TTFT counted as a success's, and the
+    first was a 200 whose only event was the error)."""
+    liar.lies["erring"] = then(tokens, chunk(events(engine_error(code), b"[DONE]")) + b"0\r\n\r\n")
+    counted = f"pd_router_requests_total{{endpoint=completions,outcome={outcome}}}"
+    before = router.metrics()
+    with attacked(router):
+        response = httpx.post(f"{router.url}/v1/completions", json=lie("erring", stream=True))
+    if tokens:
+        assert response.status_code == 200
+        assert response.content == events(
+            *(token(f" {index}") for index in range(tokens)), engine_error(code), b"[DONE]"
+        )
+    else:
+        assert response.status_code == code
+        error = error_of(response)
+        assert error["type"] == "upstream_error" and error["message"].endswith(": boom")
+        assert error["message"].startswith("decode engine http://")
+    after = router.metrics()
+    assert after[counted] == before.get(counted, 0) + 1
+    kind = "http_5xx" if code >= 500 else "http_4xx"
+    errors = f"pd_router_upstream_errors_total{{kind={kind},node=1,role=decode,url={liar.url}}}"
+    assert after[errors] == before.get(errors, 0) + 1
+
+
 def test_a_client_that_stops_reading_then_leaves_frees_its_slot_and_its_engine(
     router: RouterProcess, liar: LyingEngine
 ) -> None:
