@@ -134,6 +134,21 @@ def endless_header(size: int, piece: int = 1 << 20) -> Lie:
     return write
 
 
+def endless_trailer(size: int, piece: int = 1 << 20) -> Lie:
+    """A chunked 200 whose one chunk is a whole answer, then a trailer field ``size`` bytes
+    long after the last chunk, never ended."""
+
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(chunk(json.dumps(COMPLETION).encode()) + b"0\r\nx-endless: ")
+        for _ in range(size // piece):
+            writer.write(b"x" * piece)
+            await writer.drain()
+        await asyncio.sleep(3600)  # and no more: the router must not wait for the rest
+
+    return write
+
+
 class LyingEngine:
     def __init__(self) -> None:
         self.lies: dict[str, Lie] = {}

@@ -98,6 +98,7 @@ class EngineConnection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: the end is not the peer closing
         self._expecting = False  # a request is out and its answer has not ended
         self._head_room = MAX_HEAD  # head bytes the current answer may still send
+        self._bare = 0  # bytes since the last body bytes (``data_received``)
         self.status = 0
         self.head_done = False
         self.complete = False
@@ -143,7 +144,16 @@ class EngineConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._lose(ProtocolViolation(f"invalid HTTP from the engine: {exc}"))
         if len(body) > pieces:
+            self._bare = 0
             self._took(body, pieces)
+        elif self.head_done:
+            # Bytes after the head that are no body: a chunk's framing, or the trailer
+            # fields after the last chunk, which httptools builds by concatenation (time
+            # quadratic in their size, as a head's): bounded as the head is.
+            self._bare += len(data)
+            if self._bare > MAX_HEAD and self.error is None:
+                message = f"more than {MAX_HEAD} bytes after the head that are no body"
+                self._lose(HeadTooLarge(message))
 
     def _took(self, body: list[bytes], pieces: int) -> None:
         """The body pieces from ``pieces`` on came with the last read."""
@@ -238,6 +248,7 @@ class EngineConnection(asyncio.Protocol):
         self.head_done = self.complete = self._framed = self._keep_alive = False
         self._expecting = True
         self._head_room = MAX_HEAD
+        self._bare = 0
         self._transport.write(request)
 
     async def head(self, timeout: float, first_bytes: bool = False) -> int:
