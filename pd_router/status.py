@@ -9,6 +9,8 @@ functions.
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 import urllib.error
 import urllib.request
@@ -290,6 +292,17 @@ def _not_ready(router: str, timeout: float) -> str | None:
     return ", ".join(reasons) or str(document.get("status"))
 
 
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    # 0 would make every read fail at once ("Operation now in progress"); inf never.
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     parser = Parser(
         prog="pd-router status", description="Show a running pd-router's nodes and queue."
@@ -301,7 +314,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         metavar="TOKEN",
         help=f"use /admin/nodes (labels, requests per node); default ${ADMIN_ENV}",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument("--timeout", type=_timeout, default=5.0, metavar="SECONDS")
     args = parse(parser, argv)
     router = args.url.rstrip("/")
     parts = urlsplit(router)

@@ -137,6 +137,16 @@ def test_status_with_a_wrong_token_says_so(router: RouterProcess) -> None:
     assert done.returncode == 1 and "admin token was refused" in done.stderr
 
 
+def test_a_timeout_that_could_never_be_met_is_refused() -> None:
+    for bad in ("0", "-1", "inf", "soon"):
+        done = status("--url", "http://127.0.0.1:9", "--timeout", bad)
+        assert done.returncode == 2, done
+        assert done.stderr == (
+            "pd-router status: error: argument --timeout: must be a number of seconds > 0, "
+            f"got {bad!r}\n"
+        )
+
+
 def test_status_of_an_unreachable_router_fails_clearly() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     done = status("--url", url)
