@@ -216,22 +216,32 @@ class KvView:
     def cached(self, node_id: int, prompt: Prompt, chunks_held: int) -> int:
         """Tokens of ``prompt`` cached on the node: what its events say it holds of the
         blocks the prompt is known to start with (``kvindex.py``) where its stream is live
-        and the prompt's text was learned, else ``chunks_held`` as predicted."""
-        index = self.live.get(node_id)
-        if index is None:
+        and the prompt's text was learned, else ``chunks_held`` as predicted. Where the
+        events end at a block the index never heard of (stored before the router listened,
+        or before a gap in the events), the prediction, if it says more."""
+        held, known = self._events(node_id, prompt)
+        if held is None:
             return prompt.cached(chunks_held)
-        match = self.match(prompt)
-        if match is None or match.block_size != index.block_size:
-            return prompt.cached(chunks_held)
-        held = index.held(match.blocks, match.count)
-        return cached_tokens(held, match.block_size, match.tokens)
+        match = prompt.match
+        assert match is not None  # nosec B101: events answer for a learned prompt only
+        tokens = cached_tokens(held, match.block_size, match.tokens)
+        return tokens if known else max(tokens, prompt.cached(chunks_held))
 
     def source(self, node_id: int, prompt: Prompt) -> str:
         """Where ``cached`` took its answer from: "events" or "prediction"."""
+        held, known = self._events(node_id, prompt)
+        return "events" if held is not None and known else "prediction"
+
+    def _events(self, node_id: int, prompt: Prompt) -> tuple[int | None, bool]:
+        """What the node's live event stream says it holds of the prompt's learned blocks,
+        and whether it knows the block after them (``BlockIndex.knows``); None: nothing."""
         index = self.live.get(node_id)
-        if index is not None and prompt.match is not None:
-            return "events" if prompt.match.block_size == index.block_size else "prediction"
-        return "prediction"
+        if index is None:
+            return None, False
+        match = self.match(prompt)
+        if match is None or match.block_size != index.block_size:
+            return None, False
+        return index.knows(match.blocks, match.count)
 
     def match(self, prompt: Prompt) -> Match | None:
         """What the learned prompts say this one starts with (looked up once a request);

@@ -220,13 +220,18 @@ class EventStream:
 
     def apply(self, batch: Batch, holdings: Holdings, now: float) -> None:
         """A batch arrived: the engine's index and ``holdings`` follow what it says."""
-        if self.seq is not None and batch.seq <= self.seq:
-            # The publisher's count started again: a new engine process, an empty cache,
-            # followed from its start.
-            self.restarts += 1
-            self.forget(holdings)
+        if self.seq is None:
+            # The first heard: the engine's first (its cache empty, followed whole), or
+            # the router joined later and what it holds from before is unknown.
+            self.index.whole = batch.seq == 0
             self.in_order = True
-        elif self.seq is not None and batch.seq != self.seq + 1:
+        elif batch.seq <= self.seq:
+            # The publisher's count started again: a new engine process, an empty cache,
+            # followed from its start (whole if from its first batch).
+            self.restarts += 1
+            self.forget(holdings, empty=batch.seq == 0)
+            self.in_order = True
+        elif batch.seq != self.seq + 1:
             self.fault("gap", f"missed batches {self.seq + 1}-{batch.seq - 1}", now)
             # The index missed stores and removals: it starts again from what comes now.
             self.index.clear()
@@ -265,10 +270,11 @@ class EventStream:
                     self.capacity = min(blocks, self.max_blocks) * self.block_size
             else:
                 self.clears += 1
-                self.forget(holdings)
+                self.forget(holdings, empty=True)
 
-    def forget(self, holdings: Holdings) -> None:
-        self.index.clear()
+    def forget(self, holdings: Holdings, empty: bool = False) -> None:
+        """The engine holds nothing the router knows of: nothing at all if ``empty``."""
+        self.index.clear(empty)
         holdings.clear()
 
     def view(self) -> dict[str, Any]:

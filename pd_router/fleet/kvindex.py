@@ -34,6 +34,9 @@ from dataclasses import dataclass
 LINK_BLOCKS = 1 << 20
 # Links at most, whatever their size.
 LINKS = 16384
+# Keys an index remembers as evicted (8 bytes and a dict slot each: ~5 MB): what it knows
+# the engine no longer holds, as against what it never heard of.
+GONE = 1 << 16
 
 
 def block_keys(ids: Sequence[int], block_size: int) -> list[int]:
@@ -77,7 +80,9 @@ class BlockIndex:
     ``kv_cache_report_mode: "full"`` restates the blocks it reused: each restatement
     counts as a copy, and the block outlives its eviction in the index until a clear.)"""
 
-    __slots__ = ("block_size", "blocks", "_names", "_held", "_copies", "_unkeyed")
+    __slots__ = (
+        "block_size", "blocks", "whole", "_names", "_held", "_copies", "_unkeyed", "_gone"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         # The engine's block size (0 until a full block was stored).
@@ -92,6 +97,11 @@ class BlockIndex:
         # Hashes held in more than one copy, and how many.
         self._copies: dict[Hashable, int] = {}
         self._unkeyed = 0
+        # Keys the engine held and evicted since (the last ``GONE``): an LRU.
+        self._gone: dict[int, None] = {}
+        # Followed since the engine's cache was empty (``fleet/kvevents.py`` says when):
+        # what it never heard of, the engine does not hold.
+        self.whole = False
 
     def __len__(self) -> int:
         """Hashes followed, keyed or not."""
@@ -142,6 +152,8 @@ class BlockIndex:
             else:
                 names[block_hash] = key
                 held[key] = held.get(key, 0) + 1
+                if self._gone:
+                    self._gone.pop(key, None)
         self.blocks += len(hashes)
         return True
 
@@ -182,18 +194,34 @@ class BlockIndex:
                 held[key] = count
             else:
                 del held[key]
+                gone = self._gone
+                gone[key] = None
+                if len(gone) > GONE:
+                    del gone[next(iter(gone))]
         return known
 
-    def clear(self) -> None:
+    def clear(self, empty: bool = False) -> None:
+        """Forget every block: the engine's cache is ``empty`` now (a clear, a restart
+        followed from its start), else it holds what the index missed."""
         self._names.clear()
         self._held.clear()
         self._copies.clear()
         self._unkeyed = 0
+        self._gone.clear()
         self.blocks = 0
+        self.whole = empty
 
     def held(self, keys: Sequence[int], count: int) -> int:
         """How many of the first ``count`` blocks of ``keys`` the engine holds."""
         return leading_held(keys, count, self._held)
+
+    def knows(self, keys: Sequence[int], count: int) -> tuple[int, bool]:
+        """``held``, and whether the index knows the block after those: held and then
+        evicted, or nothing to know (all ``count`` held). Not known: stored before the
+        router heard, or chained to a block that was (a router started, a gap in the
+        events), so the index cannot say the engine does not hold it."""
+        held = leading_held(keys, count, self._held)
+        return held, held >= count or self.whole or keys[held] in self._gone
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 from pd_router.fleet.holdings import KvView, describe
-from pd_router.fleet.kvevents import EventStreams, decode
+from pd_router.fleet.kvevents import SETTLE, EventStreams, decode
 from pd_router.fleet.kvindex import BlockIndex, Links, block_keys, cached_tokens
 from pd_router.fleet.nodes import Node, make_nodes
 from pd_router.fleet.prefill import Cost
@@ -307,3 +307,47 @@ def test_a_block_stored_twice_is_held_until_both_copies_are_removed() -> None:
     assert index.held(keys, 6) == 6
     assert index.removed([104, 103, 999]) == 2, "a hash never stored is no block followed"
     assert index.held(keys, 6) == 2 and index.blocks == 6
+
+
+def test_what_the_index_never_heard_of_the_prediction_answers() -> None:
+    """After a gap in a node's events the index starts again empty: it knows nothing of
+    what the engine held before. Live again, it answered 0 for the conversation the node
+    still held, and the next turn was computed afresh elsewhere. What it never heard of (as
+    against what it saw evicted) is the prediction's to say."""
+    fleet = Fleet()
+    now = [100.0]
+    fleet.streams.clock = lambda: now[0]
+    text = words("s", 400)
+    node, _, _, _ = fleet.serve(text)
+    text += " " + words("t0x", 50)
+    assert fleet.serve(text)[:3] == (node, 400, "events")
+    engine = fleet.engines[node]
+    engine.seq += 3  # three messages the subscriber fell behind on
+    apply(fleet.streams, node, engine.message([]))
+    now[0] += SETTLE
+    apply(fleet.streams, node, engine.message([]))
+    assert fleet.streams.live(node) and len(fleet.streams.streams[node].index) == 0
+    text += " " + words("t1x", 50)
+    picked, predicted, source, reported = fleet.serve(text)
+    assert (picked, source) == (node, "prediction") and predicted >= 400 and reported >= 400
+
+
+def test_a_router_started_after_its_engine_predicts_what_came_before() -> None:
+    """A router that starts (or subscribes) while the engine holds a shared system prompt:
+    every later block chains to one the index never heard of, and is unkeyed. Its events
+    cannot say the engine lacks them: the prediction does, from the router's own
+    placements (before, the events said 0 for every turn of such conversations)."""
+    fleet = Fleet()
+    system = words("sys", 400)
+    for node in fleet.nodes:
+        fleet.engines[node.id].prefill(tokens(system))  # before the router heard
+        fleet.streams.drop(node.id)
+        fleet.streams.watch(node.id, f"tcp://p{node.id}:5557")
+        apply(fleet.streams, node.id, fleet.engines[node.id].message([]))
+    assert not any(stream.index.whole for stream in fleet.streams.streams.values())
+    text = system + " " + words("q0x", 50)
+    node, _, _, _ = fleet.serve(text)
+    text += " " + words("t0x", 50)
+    picked, predicted, source, reported = fleet.serve(text)
+    assert (picked, source) == (node, "prediction") and predicted >= 400
+    assert reported >= 448
