@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
+import zmq
 
-from pd_router.engines.kvevents import _apply, endpoint_of
+from pd_router.engines.kvevents import Subscriber, _apply, endpoint_of
 from pd_router.fleet.holdings import KvView
-from pd_router.fleet.kvevents import DEGRADED, LIVE, EventStreams
+from pd_router.fleet.kvevents import DEGRADED, LIVE, EventError, EventStreams, decode
 from pd_router.fleet.nodes import make_nodes
 
 
@@ -58,3 +61,37 @@ def test_a_message_nested_past_pythons_recursion_limit_is_one_engines_garbage() 
 
 def message(seq: int, *events: dict[str, Any]) -> list[bytes]:
     return [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb([0.0, list(events)])]
+
+
+def test_a_message_of_more_frames_than_vllms_is_kept_as_three_and_is_garbage() -> None:
+    """ZMQ's message size bound is per frame: 20 frames of 3 MiB were 60 MiB taken whole.
+    A message of more than vLLM's three frames keeps its first three (and an empty fourth,
+    which ``decode`` refuses), and what follows it is received as ever."""
+    context: zmq.Context[Any] = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.setsockopt(zmq.LINGER, 0)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = Subscriber(context, f"tcp://127.0.0.1:{port}")
+    subscriber.start()
+    try:
+        frame = b"\0" * (1 << 20)
+        item = None
+        deadline = time.monotonic() + 30
+        while item is None:  # ZMQ subscribers join late: sent until heard
+            assert time.monotonic() < deadline, "nothing heard"
+            publisher.send_multipart([frame] * 20)
+            time.sleep(0.05)
+            item = subscriber.take()
+        assert isinstance(item, list) and [len(part) for part in item] == [1 << 20] * 3 + [0]
+        with pytest.raises(EventError):
+            decode(item, None)
+        good = message(7, {"type": "AllBlocksCleared"})
+        publisher.send_multipart(good)
+        while (item := subscriber.take()) != good:
+            assert time.monotonic() < deadline, "the next message not heard"
+            time.sleep(0.01)
+    finally:
+        subscriber.stop()
+        subscriber.join()
+        publisher.close()
+        context.term()
