@@ -804,6 +804,41 @@ def test_a_short_prompt_with_max_local_prefill_is_answered_by_the_decode_engine_
     assert len(lines) == 1 and "local_prefill=True" in lines[0] and "prefill_node=None" in lines[0]
 
 
+def test_a_batch_of_prompts_is_answered_by_the_decode_engine_as_by_one_engine(
+    vllm_pair: VllmPair, baseline: openai.OpenAI
+) -> None:
+    """vLLM's prefill answers one ``kv_transfer_params`` for a request, a batch's first
+    prompt's: the router has the decode engine compute a batch of prompts itself (and
+    ``n`` > 1 alike), without ``--max-local-prefill``. Every prompt's tokens are those of
+    one engine answering the batch alone; the prefill engine serves nothing."""
+    prefill = Engine("prefill", vllm_pair.prefill_url)
+    decode = Engine("decode", vllm_pair.decode_url)
+    tag = os.urandom(3).hex()
+    batch = {
+        "model": MODEL,
+        "prompt": [prompt(f"batch-a-{tag}"), prompt(f"batch-b-{tag}")],
+        "max_tokens": 6,
+        "temperature": 0,
+        "extra_body": EXTRA_BODY,
+    }
+    alone = baseline.completions.create(**batch)
+    settle(lambda: prefill.idle() and decode.idle(), "idle engines")
+    prefill.mark()
+    decode.mark()
+    with router_for(vllm_pair, [vllm_pair.prefill_url], log_name="router-batch.log") as router:
+        answer = client_for(router.url).completions.create(**batch)
+        router.assert_idle()
+        lines = [line for line in router.log().splitlines() if "request_id=" in line]
+    assert [c.index for c in answer.choices] == [c.index for c in alone.choices] == [0, 1]
+    assert [list(c.token_ids or []) for c in answer.choices] == [
+        list(c.token_ids or []) for c in alone.choices
+    ]
+    settle(lambda: decode.delta(FINISHED) >= 2, "the decode engine's counter")
+    assert prefill.delta(FINISHED) == 0, "the prefill engine served nothing"
+    assert decode.delta(XFERS) == 0 and decode.pulled() == 0, "nothing was pulled"
+    assert len(lines) == 1 and "local_prefill=True" in lines[0] and "prefill_node=None" in lines[0]
+
+
 # --------------------------------------------------------------------------------------
 # 7: the prefill engine dies (last: the pair stays broken)
 # --------------------------------------------------------------------------------------
