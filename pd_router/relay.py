@@ -386,9 +386,6 @@ class Relay:
         try:
             if answer.status != 200:
                 raise await answer.error()
-            if prompt is not None:
-                # The decode engine holds the prompt now, pulled or computed.
-                fleet.kv.placed(node.id, node.role, node.url, prompt)
             if self.stream:
                 binding.stream = answer  # started: the stall watch looks at it from now on
                 passed_on = await self._relay_events(client, answer, prefilled, first)
@@ -399,6 +396,11 @@ class Relay:
                 await self._relay_json(client, answer, prefilled)
         except UpstreamError as error:
             raise self._engine_failed(node, error) from None
+        finally:
+            if prompt is not None and client.started:
+                # The decode engine holds the prompt now, pulled or computed: its answer
+                # began (not an error status, nor an error as its first event).
+                fleet.kv.placed(node.id, node.role, node.url, prompt)
         self.router.fleet.served(node)
         self.outcome = "ok"
 

@@ -272,24 +272,28 @@ def _nodes(router: str, token: str | None, timeout: float) -> tuple[Snapshot, st
 
 
 def _not_ready(router: str, timeout: float) -> str | None:
-    """Why the router's ``/health`` answers 503 (every request is refused meanwhile): its
-    nodes may all look well while its shared state (Redis) is away."""
+    """Why the router's ``/health`` answers 503 (not ready: a load balancer sends it
+    nothing): its nodes may all look well while its shared state (Redis) is away."""
     try:
         fetch(f"{router}/health", None, timeout)
         return None
     except urllib.error.HTTPError as exc:
         if exc.code != 503:
             raise
-        document = orjson.loads(exc.read())
+        try:
+            document = orjson.loads(exc.read())
+        except orjson.JSONDecodeError:
+            document = None  # a proxy's page: what the nodes say is still worth showing
     if not isinstance(document, dict):
-        raise ValueError("/health answered 503 with no JSON object")
+        return "HTTP 503"
     reasons = []
     if document.get("shared_state") == "unavailable":
         reasons.append("shared state (--state) unavailable")
     for role in ("prefill", "decode"):
-        if document.get(f"{role}_nodes") == 0:
+        count = document.get(f"{role}_nodes")
+        if type(count) is int and count == 0:
             reasons.append(f"no {role} node serving")
-    return ", ".join(reasons) or str(document.get("status"))
+    return ", ".join(reasons) or "HTTP 503"
 
 
 def _timeout(text: str) -> float:

@@ -44,6 +44,12 @@ def token(text: str) -> bytes:
 STREAM = events(token(" one"), token(" two"), b"[DONE]")
 
 
+def error_event(code: int) -> bytes:
+    """vLLM's event for an error raised while it generates (``create_streaming_error_response``)."""
+    error = {"message": "boom", "type": "InternalServerError", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
 def slowly(count: int, interval: float) -> Lie:
     """A correct stream of ``count`` events, ``interval`` seconds apart: holds a slot."""
 

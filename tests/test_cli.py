@@ -114,6 +114,14 @@ def marked(mark: str) -> list[int]:
             "'ftp://***@collector/v1/traces'",
         ),
         (
+            # Without its scheme, the most likely slip: no URL to parse, masked all the same.
+            [*ENGINES, "--otlp-traces-endpoint", "alice:S3cretT0ken@collector:4318"],
+            {},
+            "pd-router: error: argument --otlp-traces-endpoint: expected an http:// or https:// "
+            "URL of an OTLP/HTTP collector (http://collector:4318/v1/traces), got "
+            "'***@collector:4318'",
+        ),
+        (
             [*ENGINES, "--stall-timeout", "1e309"],
             {},
             "pd-router: error: argument --stall-timeout: must be a number of seconds >= 0",

@@ -12,6 +12,7 @@ import zmq
 
 from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
 from tests.helpers import RouterProcess, wait_for
+from tests.lying_engine import STREAM, LyingEngine, chunk, error_event, events, http, then
 
 ENGINE = ["--block-size", "4"]
 # A decode engine that serves a request with no kv_transfer_params by computing it itself,
@@ -225,5 +226,26 @@ def test_a_decode_engine_that_failed_a_request_is_not_predicted_to_hold_its_prom
             fleet.decode[0].configure(fail_status=None)
             before = fleet.prefill[0].stats()["requests"]
             client.completions.create(model="sim-model", prompt=long + " more", max_tokens=2)
+            assert fleet.prefill[0].stats()["requests"] == before + 1, "computed locally"
+            router.assert_idle()
+
+
+def test_a_decode_engine_whose_stream_begins_with_an_error_is_not_credited() -> None:
+    """vLLM reports a failure after its 200 (a KV load that failed) as an error event first:
+    the engine holds nothing of the prompt, and the next turn is not computed there as if
+    its history were cached."""
+    long = words("w", 400)
+    with SimFleet(1, 0, prefill_args=ENGINE) as fleet, LyingEngine() as liar:
+        liar.lies[f"x {long}"] = then(0, chunk(events(error_event(500), b"[DONE]")) + b"0\r\n\r\n")
+        liar.lies[f"x {long} more"] = http(200, STREAM, "content-type: text/event-stream")
+        args = ["--prefill-policy", "cost", "--max-local-prefill", "100"]
+        with RouterProcess(urls(fleet.prefill), [liar.url], *args) as router:
+            url = f"{router.url}/v1/completions"
+            body = {"model": "sim-model", "max_tokens": 2, "stream": True}
+            failed = httpx.post(url, json={**body, "prompt": f"lie:x {long}"}, timeout=30)
+            assert failed.status_code == 500, failed.text
+            before = fleet.prefill[0].stats()["requests"]
+            answer = httpx.post(url, json={**body, "prompt": f"lie:x {long} more"}, timeout=30)
+            assert answer.status_code == 200
             assert fleet.prefill[0].stats()["requests"] == before + 1, "computed locally"
             router.assert_idle()

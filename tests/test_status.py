@@ -243,6 +243,47 @@ def test_a_router_not_ready_says_why_in_the_header() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("health", "says"),
+    [
+        (b"<html>gateway</html>", "HTTP 503"),
+        (b"[]", "HTTP 503"),
+        (b'{"status": "unavailable", "prefill_nodes": false, "decode_nodes": 1}', "HTTP 503"),
+        (
+            b'{"status": "unavailable", "prefill_nodes": 0, "decode_nodes": 2}',
+            "no prefill node serving",
+        ),
+    ],
+    ids=["page", "list", "false", "no-prefill"],
+)
+def test_a_503_health_of_any_shape_is_shown_not_failed_on(health: bytes, says: str) -> None:
+    """Behind a proxy, /health's 503 may be the proxy's page: the nodes read from /metrics
+    are shown all the same, the header saying the router is not ready."""
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            metrics = b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
+            body = metrics if self.path == "/metrics" else health
+            self.send_response(200 if self.path == "/metrics" else 503)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        done = status("--url", f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].endswith(f"NOT READY: {says}")
+
+
 def test_format_table_leaves_out_what_the_source_does_not_know() -> None:
     snapshot = Snapshot(nodes=[NodeRow(0, "decode", "http://d0:8200", "serving", 2, 1, 0)])
     assert format_table(snapshot, "http://r:8000").splitlines()[2:] == [

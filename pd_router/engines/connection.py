@@ -127,8 +127,9 @@ class EngineConnection(asyncio.Protocol):
             return
         body = self._body
         pieces = len(body)
+        after_head = self.head_done
         try:
-            if not self.head_done:
+            if not after_head:
                 # Only the head's allowance reaches the parser; what follows the head in
                 # the same bytes is fed once the parser has seen the head end.
                 room = self._head_room
@@ -146,7 +147,7 @@ class EngineConnection(asyncio.Protocol):
         if len(body) > pieces:
             self._bare = 0
             self._took(body, pieces)
-        elif self.head_done:
+        elif after_head:
             # Bytes after the head that are no body: a chunk's framing, or the trailer
             # fields after the last chunk, which httptools builds by concatenation (time
             # quadratic in their size, as a head's): bounded as the head is.

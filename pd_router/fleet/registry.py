@@ -201,9 +201,11 @@ class Fleet:
             # Only a request shows a loop through another router (whose /health is fine):
             # the probes would readmit the node, and the next request would loop again.
             node.hold_until = max(node.hold_until, self.clock() + LOOP_HOLD)
-        elif failure.kind == TIMEOUT:
-            node.hold_until = max(node.hold_until, self.clock() + TIMEOUT_HOLD)
         state = node.failed(failure, self.policy, probe)
+        if failure.kind == TIMEOUT and node.state is State.UNHEALTHY:
+            # Held once the timeouts made it unhealthy (not before: a node that stays
+            # serving after one would keep an unrelated later verdict longer).
+            node.hold_until = max(node.hold_until, self.clock() + TIMEOUT_HOLD)
         if state is State.DEAD:
             self.kv.lost(node.id)
             message = f"{node.role} node {node.id} ({node.url}) is dead: {failure.message}"

@@ -110,11 +110,14 @@ def _checked(url: str) -> str:
 
 def shown(url: str) -> str:
     """The URL as a message or the log shows it: a user and password in it (the
-    collector's Basic credentials, which the exporter sends) as ``***``."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
+    collector's Basic credentials, which the exporter sends) as ``***``; in a URL that
+    is not one too (``user:password@host`` without its scheme), so not parsed as one."""
+    at = url.rfind("@")
+    if at < 0:
         return url
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+    scheme = url.find("://")
+    start = scheme + 3 if 0 <= scheme < at else 0
+    return url[:start] + "***" + url[at:]
 
 
 def _from_env(name: str, url: str) -> str:

@@ -34,6 +34,7 @@ from tests.lying_engine import (
     endless,
     endless_header,
     endless_trailer,
+    error_event,
     events,
     http,
     slowly,
@@ -327,12 +328,6 @@ def test_an_engine_that_holds_its_body_open_after_done_does_not_hold_the_slot(
     assert router.metrics()[ok] >= before + 1
 
 
-def engine_error(code: int) -> bytes:
-    """vLLM's event for an error raised while it generated (``create_streaming_error_response``)."""
-    error = {"message": "boom", "type": "InternalServerError", "param": None, "code": code}
-    return json.dumps({"error": error}).encode()
-
-
 @pytest.mark.parametrize(
     ("tokens", "code", "outcome"),
     [(0, 500, "decode_error"), (0, 400, "bad_request"), (2, 500, "decode_error")],
@@ -347,7 +342,7 @@ def test_an_engines_error_event_is_the_requests_failure(
     engine sent them. Either way the request is counted failed, a 5xx against the node as
     any 5xx is (before, both were ``ok``, their TTFT counted as a success's, and the
     first was a 200 whose only event was the error)."""
-    liar.lies["erring"] = then(tokens, chunk(events(engine_error(code), b"[DONE]")) + b"0\r\n\r\n")
+    liar.lies["erring"] = then(tokens, chunk(events(error_event(code), b"[DONE]")) + b"0\r\n\r\n")
     counted = f"pd_router_requests_total{{endpoint=completions,outcome={outcome}}}"
     before = router.metrics()
     with attacked(router):
@@ -355,7 +350,7 @@ def test_an_engines_error_event_is_the_requests_failure(
     if tokens:
         assert response.status_code == 200
         assert response.content == events(
-            *(token(f" {index}") for index in range(tokens)), engine_error(code), b"[DONE]"
+            *(token(f" {index}") for index in range(tokens)), error_event(code), b"[DONE]"
         )
     else:
         assert response.status_code == code

@@ -351,3 +351,28 @@ def test_a_router_started_after_its_engine_predicts_what_came_before() -> None:
     picked, predicted, source, reported = fleet.serve(text)
     assert (picked, source) == (node, "prediction") and predicted >= 400
     assert reported >= 448
+
+
+def test_an_index_followed_since_the_cache_was_empty_knows_what_the_engine_lacks() -> None:
+    """The router heard the engine's first message (or a clear): a block it never heard
+    stored, the engine does not hold, whatever the router's own placements predict (a
+    prefill that failed, another router's prompt that the engine evicted before...)."""
+    fleet = Fleet()  # every engine's first message is sequence number 0
+    text = words("s", 400)
+    node, _, _, _ = fleet.serve(text, on=0)
+    other = 1 - node
+    fleet.serve(words("o", 100), on=other)  # another prompt: its block size is known there
+    assert fleet.streams.streams[other].index.whole
+    text += " " + words("t0x", 50)
+    prompt = describe({"model": "m", "prompt": text})
+    fleet.view.placed(other, "prefill", f"http://p{other}:8100", prompt)
+    held = fleet.view.of(other).held(prompt.chunks)
+    assert prompt.cached(held) > 400, "predicted held there"
+    assert fleet.view.cached(other, prompt, held) == 0
+    assert fleet.view.source(other, prompt) == "events"
+    # A clear, heard: whole again; a gap: not.
+    apply(fleet.streams, other, fleet.engines[other].reset())
+    assert fleet.streams.streams[other].index.whole
+    fleet.engines[other].seq += 2
+    apply(fleet.streams, other, fleet.engines[other].message([]))
+    assert not fleet.streams.streams[other].index.whole
