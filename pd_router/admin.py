@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from pd_router.edge.auth import bearer
 from pd_router.errors import Aborted, StateUnavailable, Unauthorized
-from pd_router.fleet.membership import LocalMembership, Membership
+from pd_router.fleet.membership import Conflict, LocalMembership, Membership
 from pd_router.fleet.nodes import Node, State, check_labels, normalise_url
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router
@@ -192,6 +192,8 @@ def admin_routes(
             return _error(404, "no such node", "not_found")
         try:
             await members.remove(node, request.query_params.get("force") == "true")
+        except Conflict as exc:
+            return _error(409, str(exc), "conflict")
         except ValueError as exc:
             return _error(409, str(exc), "not_drained")
         return _json({"removed": node.id})

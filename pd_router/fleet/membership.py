@@ -32,6 +32,10 @@ ADMIN_STATES: tuple[Admin, ...] = ("serving", "draining", "removed")
 Background = list[tuple[str, Callable[[], Awaitable[None]]]]
 
 
+class Conflict(ValueError):
+    """An operator's change another router's came before (``--state``): 409 ``conflict``."""
+
+
 class Membership(Protocol):
     async def add(self, url: str, role: Role, slots: int, labels: dict[str, str]) -> Node:
         """The node of that role and (canonical) URL with these slots and labels: a new one,

@@ -39,7 +39,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pd_router.errors import StateUnavailable
-from pd_router.fleet.membership import GONE, Background, Record, Verdict, apply
+from pd_router.fleet.membership import GONE, Background, Conflict, Record, Verdict, apply
 from pd_router.fleet.nodes import Node, Role, State
 from pd_router.fleet.registry import Fleet
 from pd_router.shared import scripts
@@ -117,7 +117,7 @@ class SharedFleet:
         return node
 
     async def drain(self, node: Node) -> None:
-        await self._set_admin(node, "draining")
+        await self._set_admin(node, "draining", "")
 
     async def remove(self, node: Node, force: bool) -> None:
         """Refused as in one process, and also while another router has requests on it."""
@@ -134,7 +134,11 @@ class SharedFleet:
                 raise ValueError(
                     f"node {node.id} still has {elsewhere} requests in flight on other routers"
                 )
-        await self._set_admin(node, "removed forced" if force else "removed")
+        # Checked above on what this router last heard: the removal applies only if the
+        # fleet's state is still that (another router may have added it again since).
+        record = self.records.get(node.id)
+        seen = "" if force or record is None else record.admin
+        await self._set_admin(node, "removed forced" if force else "removed", seen)
 
     async def in_flight(self) -> dict[str, dict[int, int]]:
         """Every live router's requests per node; this router's own as they are now (only
@@ -266,11 +270,15 @@ class SharedFleet:
             await self._sync()
         return bool(changed)
 
-    async def _set_admin(self, node: Node, state: str) -> None:
+    async def _set_admin(self, node: Node, state: str, seen: str) -> None:
         async with self._locked():
             await self._adopt()
-            if not await self._run(_ADMIN, [self.router_id, str(node.id), state]):
-                raise ValueError(f"node {node.id} is not in the shared fleet")
+            if not await self._run(_ADMIN, [self.router_id, str(node.id), state, seen]):
+                await self._sync()
+                raise Conflict(
+                    f"node {node.id} changed in the shared fleet meanwhile (removed, or added "
+                    "again, through another router): see GET /admin/nodes"
+                )
             await self._sync()
 
     # ------------------------------------------------------------------ verdicts found here

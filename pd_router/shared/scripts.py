@@ -625,9 +625,15 @@ if changed then redis.call('PUBLISH', P .. 'fleet', router) end
 return {ids, bad}
 """
 
-# ARGV: router, node id, draining | removed | removed forced -> 1, or 0 when no such node
+# ARGV: router, node id, draining | removed | removed forced, the admin state the router
+# saw (its first word: serving, draining, removed; "": any) -> 1, or 0 when no such node,
+# when it is no longer what the router saw (an operator's change on another router came
+# first: re-added, removed), or for a drain, when it was removed
 ADMIN = _COMMON + """
 if redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then return 0 end
+local now = redis.call('HGET', P .. 'admin', ARGV[2]) or 'removed'
+if ARGV[4] ~= '' and string.match(now, '^%S+') ~= ARGV[4] then return 0 end
+if ARGV[3] == 'draining' and string.sub(now, 1, 7) == 'removed' then return 0 end
 redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])
 redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1

@@ -16,6 +16,7 @@ import pytest
 from pd_router.discovery.loop import apply
 from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
 from pd_router.errors import Evidence, NodeDead, StateUnavailable
+from pd_router.fleet.membership import Conflict
 from pd_router.fleet.nodes import Failure, HealthPolicy, State, make_nodes
 from pd_router.fleet.registry import Fleet
 from pd_router.shared.fleet import _VERDICT as VERDICT
@@ -429,3 +430,36 @@ async def test_bad_values_in_the_fleets_keys_are_logged_and_serving_goes_on(
         assert "script" not in caught.value.message and "WRONGTYPE" in caught.value.message
         await redis.call("DEL", "{pdr}:admin", "{pdr}:in-flight:ghost")
         await redis.call("HDEL", "{pdr}:routers", "ghost")
+
+
+async def test_an_admin_change_another_router_overtook_is_refused_not_applied(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Each router checks an operator's change against what it last heard of the fleet;
+    Redis applies it only if the fleet's state is still that. A drain on a router that had
+    not heard of a removal through another brought the removed node back, draining, for
+    good; a removal checked on a stale "draining" removed a node another router had just
+    added again, serving. Both are now refused (``Conflict``: 409 ``conflict``)."""
+    async with router(redis_server) as a, router(redis_server) as b:
+        a_d0, b_d0 = a.fleet.node(1), b.fleet.node(1)
+        assert a_d0 is not None and b_d0 is not None
+        await a.drain(a_d0)
+        await until(lambda: b_d0.state is State.DRAINING, 1.0)
+        # B's reloads come late: it goes on seeing the node draining.
+        b_reload = b._reload
+        b._reload = noop  # type: ignore[method-assign]
+        await a.remove(a_d0, False)
+        with pytest.raises(Conflict):
+            await b.drain(b_d0)
+        assert await redis.call("HGET", "{pdr}:admin", "1") == b"removed"
+        # Added again through A, serving: B's stale view says draining, its removal is refused.
+        added = await a.add(D0, "decode", 2, {})
+        assert added.id == 1
+        with pytest.raises(Conflict):
+            await b.remove(b_d0, False)
+        assert await redis.call("HGET", "{pdr}:admin", "1") == b"serving"
+        b._reload = b_reload  # type: ignore[method-assign]
+
+
+async def noop() -> None:
+    pass
