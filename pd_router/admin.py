@@ -16,7 +16,7 @@ from starlette.routing import Route
 from pd_router.edge.auth import bearer
 from pd_router.errors import Aborted, StateUnavailable, Unauthorized
 from pd_router.fleet.membership import Conflict, LocalMembership, Membership
-from pd_router.fleet.nodes import Node, State, check_labels, normalise_url
+from pd_router.fleet.nodes import MAX_SLOTS, Node, State, check_labels, normalise_url
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import Outcome, RemoteAborts
@@ -145,8 +145,9 @@ def admin_routes(
             shape = '{"url": ..., "role": "prefill"|"decode", "slots": N, "labels": {}}'
             return _error(400, f"expected {shape}", "bad_node", "role")
         slots = spec.get("slots", 1)
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            return _error(400, "'slots' must be a whole number >= 1", "bad_node", "slots")
+        if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= MAX_SLOTS:
+            message = f"'slots' must be a whole number from 1 to {MAX_SLOTS}"
+            return _error(400, message, "bad_node", "slots")
         url = spec.get("url")
         try:
             if not isinstance(url, str):

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pd_router.discovery.rules import DnsSpec, dns_spec, parse_dns_spec
-from pd_router.fleet.nodes import NodeSpec, Role, check_labels, normalise_url, parse_spec
+from pd_router.fleet.nodes import (
+    MAX_SLOTS,
+    NodeSpec,
+    Role,
+    check_labels,
+    normalise_url,
+    parse_spec,
+)
 from pd_router.parser import suggest
 
 ENV_PREFIX = "PD_ROUTER_"
@@ -386,8 +393,12 @@ def _file_node(item: object, where: str) -> NodeSpec:
         # The table has its own keys for options: a comma option here would be ambiguous.
         raise ConfigError(f"{where}.url: {url!r}: give options as keys (slots = N)")
     slots = item.get("slots")
-    if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
-        raise ConfigError(f"{where}.slots: expected a whole number >= 1, got {slots!r}")
+    if slots is not None and (
+        not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= MAX_SLOTS
+    ):
+        raise ConfigError(
+            f"{where}.slots: expected a whole number from 1 to {MAX_SLOTS}, got {slots!r}"
+        )
     try:
         url = normalise_url(url)
     except ValueError as exc:

@@ -45,7 +45,7 @@ from pd_router.edge.protocol import (
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
-from pd_router.fleet.nodes import HealthPolicy, Node, make_nodes
+from pd_router.fleet.nodes import MAX_SLOTS, HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
@@ -104,6 +104,7 @@ def _whole(low: int, high: int | None, rule: str) -> Callable[[str], int]:
 
 
 _positive = _whole(1, None, "a whole number >= 1")
+_slots = _whole(1, MAX_SLOTS, f"a whole number >= 1 and <= {MAX_SLOTS}")
 _count = _whole(0, None, "a whole number >= 0")
 _workers = _whole(1, workers.MAX_WORKERS, f"a whole number >= 1 and <= {workers.MAX_WORKERS}")
 # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
@@ -143,7 +144,7 @@ def _traces_url(text: str) -> str:
 OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--host", str, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
     ("--port", _port, 8000, "PORT", "port to listen on; 0 picks a free one, which is logged"),
-    ("--decode-slots", _positive, 1, "N",
+    ("--decode-slots", _slots, 1, "N",
      "sequences each decode node serves at once, unless the node says otherwise"),
     ("--queue-timeout", _seconds, 0.0, "SECONDS",
      "wait up to this long for a free decode slot; 0 fails fast with 429"),

@@ -198,10 +198,14 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
         ("read_timeout = nan\n", "read_timeout: must be a number of seconds > 0"),
         ('queue_timeout = "soon"\n', 'queue_timeout: expected a number, got "soon"'),
         ('queue_timeout = "5"\n', 'queue_timeout: expected a number, got "5"'),
-        ("decode_slots = 0\n", "decode_slots: must be a whole number >= 1, got '0'"),
+        ("decode_slots = 0\n", "decode_slots: must be a whole number >= 1 and <= 1000000, got '0'"),
+        ("decode_slots = 1000001\n", "decode_slots: must be a whole number >= 1 and <= 1000000"),
         ("port = 80.5\n", "port: must be a whole number from 0 to 65535 (0: any free port)"),
         ("port = true\n", "port: expected a number, got true"),
-        ("decode_slots = 4.0\n", "decode_slots: must be a whole number >= 1, got '4.0'"),
+        (
+            "decode_slots = 4.0\n",
+            "decode_slots: must be a whole number >= 1 and <= 1000000, got '4.0'",
+        ),
         ("host = 1\n", "host: expected a string, got 1"),
         ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
         # A token is never repeated, even one written as a number.

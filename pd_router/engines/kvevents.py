@@ -65,7 +65,7 @@ Item = list[bytes] | str
 
 def endpoint_of(node: Node) -> str | None:
     port = node.labels.get(KV_EVENTS)
-    if port is None or not port.isdigit() or not 0 < int(port) < 65536:
+    if port is None or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return None
     host = urlsplit(node.url).hostname or "127.0.0.1"
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -202,7 +202,8 @@ _LABEL_KEY = re.compile(r"[A-Za-z0-9_./-]+")
 
 
 def check_labels(labels: object) -> dict[str, str]:
-    """A node's labels, as given in a config file or to the admin API: strings to strings."""
+    """A node's labels, as given in a config file or to the admin API: strings to strings;
+    ``kv_events`` a port number (the KV event subscriber reads it)."""
     if not isinstance(labels, Mapping):
         raise ValueError("labels must be a table of names to strings")
     checked = {}
@@ -211,9 +212,14 @@ def check_labels(labels: object) -> dict[str, str]:
             raise ValueError(f"label name {key!r}: use letters, digits and _ . / - only")
         if not isinstance(value, str):
             raise ValueError(f"label {key!r} must be a string, got {value!r}")
-        checked[key] = value
+        checked[key] = str(parse_port(value, KV_EVENTS)) if key == KV_EVENTS else value
     return checked
 
+
+# Sequences a node may take at once: far above any engine's (vLLM's --max-num-seqs is
+# hundreds), and below what the shared pool's scripts count in (10^15 was accepted, and
+# with --state no request could use the node).
+MAX_SLOTS = 1_000_000
 
 # The label naming the port an engine publishes its KV cache events on (vLLM's
 # ``--kv-events-config`` ZMQ endpoint), on the host of its URL: ``,kv_events=5557``.
@@ -242,10 +248,8 @@ def parse_spec(spec: str) -> NodeSpec:
 
 def parse_port(value: str, spec: str) -> int:
     """The ``PORT`` of a ``kv_events=PORT`` option of ``spec``."""
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
+    # ASCII digits only: int() reads other scripts' digits, and "²" passed isdigit().
+    port = int(value) if value.isascii() and value.isdigit() else 0
     if not 0 < port < 65536:
         raise ValueError(f"{spec!r}: kv_events must be a port number, got {value!r}")
     return port
@@ -253,12 +257,13 @@ def parse_port(value: str, spec: str) -> int:
 
 def parse_slots(value: str, spec: str) -> int:
     """The ``N`` of a ``slots=N`` option of ``spec``."""
-    try:
-        slots = int(value)
-    except ValueError:
-        raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}") from None
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}")
+    slots = int(value)
     if slots < 1:
         raise ValueError(f"{spec!r}: slots must be at least 1")
+    if slots > MAX_SLOTS:
+        raise ValueError(f"{spec!r}: slots must be at most {MAX_SLOTS}")
     return slots
 
 

@@ -254,6 +254,20 @@ def test_admin_nodes_with_bad_urls_are_refused_and_the_prober_lives_on(fleet: Si
             assert error["param"] == "url" and error["message"].startswith("url: "), error
             assert "secret" not in answer.text
         assert len(node_states(router)) == 3
+        # Slots no engine has (with --state, the shared pool could not count them), and a
+        # KV event port that is not one ("²" passed isdigit(), then crashed the subscriber
+        # of every node, once a second).
+        for bad, param in [
+            ({"slots": 10**15}, "slots"),
+            ({"role": "prefill", "labels": {"kv_events": "²"}}, "labels"),
+            ({"role": "prefill", "labels": {"kv_events": "70000"}}, "labels"),
+        ]:
+            answer = admin(
+                router, "POST", "/nodes", json={"url": extra.url, "role": "decode", **bad}
+            )
+            assert answer.status_code == 400, (bad, answer.text)
+            assert answer.json()["error"]["param"] == param
+        assert len(node_states(router)) == 3
         added = admin(router, "POST", "/nodes", json={"url": extra.url, "role": "decode"})
         assert added.status_code == 201
         # The prober still runs: a killed engine goes dead, and comes back when restarted.
