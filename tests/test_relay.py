@@ -44,10 +44,12 @@ class ScriptedResponse:
 
     async def read(self) -> bytes:
         await self._before_read()
+        await anyio.lowlevel.checkpoint()  # a real read waits for bytes: cancellable
         return self._body
 
     async def next_chunk(self) -> bytes:
         assert not self.closed, "read after close"
+        await anyio.lowlevel.checkpoint()
         self.chunks_read += 1
         body, self._body = self._body, b""
         return body
@@ -86,6 +88,9 @@ class ScriptedUpstream:
         *,
         first_bytes: bool = False,
     ) -> ScriptedResponse:
+        # A real post waits for its connection: a cancellation lands here (a request the
+        # fleet failed, for one).
+        await anyio.lowlevel.checkpoint()
         self.sent.append((url, body))
         error = self.unreachable.get(url.split("/v1")[0])
         if error is not None:
@@ -294,6 +299,7 @@ async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
     # A refusal: the engine is gone. A connect timeout: one failure, the node stays.
     assert d0.serving is not dead and d0.failures == 1
     assert d0.in_use == d1.in_use == 0
+    assert not d0.bound and not d1.bound, "bound to the node it went to, then released"
     pool = router.fleet.pool
     assert pool.acquired == pool.released == 2
 

@@ -376,3 +376,16 @@ def test_an_index_followed_since_the_cache_was_empty_knows_what_the_engine_lacks
     fleet.engines[other].seq += 2
     apply(fleet.streams, other, fleet.engines[other].message([]))
     assert not fleet.streams.streams[other].index.whole
+
+
+def test_an_eviction_an_index_saw_is_believed_though_it_joined_late() -> None:
+    """An index that did not follow the engine from an empty cache knows what it saw
+    stored and then evicted: there its events answer, not the prediction."""
+    index = BlockIndex()
+    index.clear(empty=False)
+    ids = list(range(3 * BLOCK))
+    assert index.stored([1, 2, 3], None, ids, BLOCK)
+    keys = block_keys(ids, BLOCK)
+    assert index.removed([3]) == 1
+    assert index.knows(keys, 3) == (2, True)
+    assert index.knows(block_keys(list(range(100, 100 + 3 * BLOCK)), BLOCK), 3) == (0, False)

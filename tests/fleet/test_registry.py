@@ -9,7 +9,7 @@ import pytest
 from pd_router.errors import Evidence, NodeDead, RouterError, Unavailable
 from pd_router.fleet.holdings import describe
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
-from pd_router.fleet.registry import LOOP, LOOP_HOLD, Fleet
+from pd_router.fleet.registry import LOOP, LOOP_HOLD, TIMEOUT, TIMEOUT_HOLD, Fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -378,3 +378,31 @@ def test_a_node_found_dead_forgets_what_it_was_predicted_to_hold() -> None:
     assert first.state is State.DEAD and second.state is State.DEAD
     for node in (first, second):
         assert fleet.kv.of(node.id).held(prompt.chunks) == 0
+
+
+def test_a_prefill_timeout_holds_its_node_out_only_once_it_made_it_unhealthy() -> None:
+    """A prefill silent for the read timeout is a soft failure; the node is held out 60 s
+    once such failures made it unhealthy, not on the first one (a node that stays serving
+    would keep a later, unrelated verdict the longer)."""
+    now = [1000.0]
+    fleet = make_fleet()
+    fleet.clock = lambda: now[0]
+    prefill = fleet.prefill.nodes[0]
+    timeout = Failure(TIMEOUT, "no byte from the engine for 600 s", Evidence.SOFT)
+    fleet.failed(prefill, timeout)
+    assert prefill.state is State.SERVING and prefill.hold_until == 0
+    fleet.failed(prefill, HTTP_500)
+    fleet.failed(prefill, HTTP_500)
+    assert prefill.state is State.UNHEALTHY and prefill.hold_until == 0
+    for _ in range(2):
+        fleet.probed(prefill)
+    assert prefill.state is State.SERVING, "an unrelated verdict: readmitted at once"
+    for _ in range(3):
+        fleet.failed(prefill, timeout)
+    assert prefill.state is State.UNHEALTHY and prefill.hold_until == now[0] + TIMEOUT_HOLD
+    for _ in range(2):
+        fleet.probed(prefill)
+    assert prefill.state is State.UNHEALTHY, "held out"
+    now[0] += TIMEOUT_HOLD
+    fleet.probed(prefill)
+    assert prefill.state is State.SERVING
