@@ -197,6 +197,11 @@ class NodeSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
+# A host name as resolvers take it: labels of 1-63 letters, digits, "-" (not first or
+# last) and "_" (SRV-style names), 253 characters in all; an IPv4 address is one too.
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
+
 # Shown as ``key=value,...`` (status table, logs): a key cannot hold "=", "," or spaces.
 _LABEL_KEY = re.compile(r"[A-Za-z0-9_./-]+")
 
@@ -312,6 +317,10 @@ def normalise_url(url: str, spec: str | None = None) -> str:
         with contextlib.suppress(ValueError):  # a zone (fe80::1%eth0) stays as written
             host = ipaddress.IPv6Address(host).compressed
         host = f"[{host}]"
+    elif not _HOSTNAME.fullmatch(host):
+        # No name a resolver takes ("a..b", a label over 63 characters): every probe would
+        # fail inside the name's encoding, not reach an engine.
+        raise ValueError(f"{shown!r}: {host!r} is no host name or address")
     if port is not None and port != DEFAULT_PORTS[parts.scheme]:
         host = f"{host}:{port}"
     return f"{parts.scheme}://{host}{parts.path.rstrip('/')}"

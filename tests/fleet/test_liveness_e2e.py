@@ -241,6 +241,9 @@ BAD_URLS = [
     "http://exa mple:8200",
     "ftp://127.0.0.1:8200",
     "http://127.0.0.1:8200/?q=1",
+    # No name a resolver takes: every probe failed in the name's encoding (a traceback).
+    "http://a..b:8200",
+    "http://" + "a" * 64 + ".local:8200",
     42,
 ]
 
