@@ -20,7 +20,7 @@ import pytest
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from tests.fleet.test_fleet_e2e import Stream, admin, echo, node_states
 from tests.fleet.test_fleet_e2e import router_for as fleet_router
-from tests.helpers import RouterProcess, complete, wait_for
+from tests.helpers import RawClient, RouterProcess, complete, wait_for
 
 # Probes every 0.2 s, a probe slower than 1 s is a (soft) failure, 3 in a row make a node
 # unhealthy, 2 good ones readmit it. A healthy engine answers in milliseconds: the second
@@ -210,6 +210,30 @@ def test_a_prefill_engine_silent_past_the_read_timeout_is_unhealthy_and_held_out
             )
             assert "no byte from the engine for 2 s" in view["last_error"], view
             router.assert_idle()
+
+
+def test_clients_that_hang_up_mid_stream_say_nothing_against_the_engine(fleet: SimFleet) -> None:
+    """Clients leaving in the middle of their streams (more of them than --unhealthy-after)
+    are their own outcome, ``client_aborted``: the decode node's failure streak and the
+    engine error metric do not move, and it stays serving for everyone else."""
+    with router_for(fleet) as router:
+        before = router.metrics()
+        body = {"model": "sim-model", "prompt": "leaving", "max_tokens": 80, "stream": True}
+        for _ in range(5):
+            client = RawClient(router.url, "/v1/completions", body)
+            client.read_until(b"data: ", count=3)
+            client.hang_up()
+        wait_for(lambda: outcomes(router).get("client_aborted", 0) >= 5, what="5 aborted")
+        router.assert_idle()
+        view = admin(router, "GET", "/nodes").json()["nodes"]
+        assert [n["state"] for n in view] == ["serving"] * 3
+        assert all(n["consecutive_failures"] == 0 for n in view), view
+        errors = {
+            k: v
+            for k, v in router.metrics().items()
+            if k.startswith("pd_router_upstream_errors") and v != before.get(k, 0)
+        }
+        assert errors == {}
 
 
 def test_a_stream_whose_engine_goes_silent_mid_answer_ends_in_one_timeout_error(
