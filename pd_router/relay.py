@@ -220,7 +220,8 @@ class Relay:
                 passed_on = self._passed_on
                 self.outcome = "ok" if passed_on is None else passed_on.outcome or "decode_error"
                 error = passed_on or error
-            elif error is not None:
+            elif error is not None and not self.client_gone:
+                # (A client that left gets nothing: its outcome is its leaving, below.)
                 self.outcome = error.outcome or self.outcome
                 await client.fail(error)
         finally:

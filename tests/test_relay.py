@@ -70,6 +70,7 @@ class ScriptedUpstream:
         self.sent: list[tuple[str, dict[str, Any]]] = []
         self.responses: list[ScriptedResponse] = []
         self.on_prefill_read: Callable[[], Awaitable[None]] = nothing
+        self.prefill_headers: Callable[[], Awaitable[None]] = nothing
         self.decode_headers: Callable[[], Awaitable[None]] = nothing
         self.on_decode_read: Callable[[], Awaitable[None]] = nothing
         self.status: dict[str, int] = {}
@@ -96,6 +97,7 @@ class ScriptedUpstream:
         if error is not None:
             raise error
         if url.startswith("http://prefill"):
+            await self.prefill_headers()
             response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
         else:
             await self.decode_headers()
@@ -269,6 +271,31 @@ async def test_prefill_retries_once_on_another_node_after_an_engine_failure(
     assert router.fleet.pool.in_use == 0
     assert not p0.bound and not p1.bound, "the prefill policy's load counts are released"
     assert router.telemetry.prefill_picks == {("prefix", "miss"): 2}
+
+
+async def test_a_prefill_that_fails_after_the_client_left_is_not_tried_again() -> None:
+    """The client gone while its prefill engine answers 503: nobody waits for the prompt
+    any more, so it is not computed on a second engine (whose KV only a drain or its lease
+    would free), and the failure says nothing against the engine."""
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 503
+    router = make_router(upstream, prefills=2)
+    client = Client()
+
+    async def leave() -> None:
+        with anyio.CancelScope(shield=True):
+            client.gone.set()
+            await anyio.sleep(0.05)  # the watcher runs and marks the client gone
+
+    upstream.prefill_headers = leave
+    await Relay(router, "completions", dict(BODY), "r8")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert [url for url, _ in upstream.sent] == ["http://prefill0/v1/completions"]
+    assert outcomes(router) == {("completions", "client_aborted"): 1}
+    p0, p1 = router.fleet.prefill.nodes
+    assert p0.failures == 0 and router.telemetry.upstream_errors == {}
+    assert router.fleet.pool.in_use == 0
 
 
 @pytest.mark.parametrize(
