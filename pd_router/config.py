@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -60,6 +61,16 @@ _TYPE_WORDS: dict[Any, str] = {int: "a whole number", float: "a number"}
 
 
 C = TypeVar("C", bound=Callable[[str], Any])
+
+
+def number(text: str) -> float:
+    """A flag's number, or NaN (which fails every range check) for text that is none or a
+    number that is not finite: ``inf`` seconds made the prober's tick NaN."""
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value if math.isfinite(value) else math.nan
 
 
 def reads_number(convert: C) -> C:

@@ -13,7 +13,6 @@ import errno
 import gc
 import ipaddress
 import logging
-import math
 import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
@@ -60,19 +59,9 @@ from pd_router.shared.redis import Redis, parse_url
 log = logging.getLogger("pd_router")
 
 
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    # A number of seconds is finite ("inf" made the prober's tick NaN, and the prober and
-    # the model watch crash and restart twice a second): NaN fails every check below.
-    return value if math.isfinite(value) else float("nan")
-
-
 @config.reads_number
 def _seconds(text: str) -> float:
-    value = _number(text)
+    value = config.number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return value
@@ -81,7 +70,7 @@ def _seconds(text: str) -> float:
 @config.reads_number
 def _timeout(text: str) -> float:
     """Seconds for a timeout that 0 would not turn off but make fire at once, every time."""
-    value = _number(text)
+    value = config.number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value

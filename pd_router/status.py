@@ -10,7 +10,6 @@ functions.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from urllib.parse import urlsplit
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.config import ENV_PREFIX
+from pd_router.config import ENV_PREFIX, number
 from pd_router.ops.logs import escaped
 from pd_router.parser import Parser, parse
 
@@ -297,12 +296,9 @@ def _not_ready(router: str, timeout: float) -> str | None:
 
 
 def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    # 0 would make every read fail at once ("Operation now in progress"); inf never.
-    if not (math.isfinite(value) and value > 0):
+    value = number(text)
+    # 0 would make every read fail at once ("Operation now in progress").
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 

@@ -13,6 +13,7 @@ request is to be aborted; a response read to its end goes back to the pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import ssl
@@ -140,20 +141,17 @@ class Response:
             raise _failure(self.url, "connection lost", exc) from None
         return b"".join(parts), True
 
-    async def finish(self, seconds: float) -> bool:
+    async def finish(self, seconds: float) -> None:
         """Read what is left of an answer whose last event the client has (the end of a
-        stream's chunked body, after ``[DONE]``) so that the connection serves again;
-        False if it did not end within ``seconds`` in all (an engine that holds its body
-        open, or sends on) or broke: the connection is then closed with the response."""
+        stream's chunked body, after ``[DONE]``) so that the connection serves again. One
+        that did not end within ``seconds`` in all (an engine that holds its body open, or
+        sends on), or broke, is not read to its end: closed with the response."""
         conn = self._conn
         deadline = time.monotonic() + seconds
-        try:
+        with contextlib.suppress(*_LOST):
             while await conn.next_body(max(deadline - time.monotonic(), 0.0)):
                 if time.monotonic() >= deadline:
-                    return False
-        except _LOST:
-            return False
-        return True
+                    return
 
     async def next_chunk(self) -> bytes:
         """The bytes that arrived since the last call (several chunks coalesced), waiting
