@@ -162,6 +162,22 @@ async def test_a_slot_given_back_is_there_for_the_routers_next_request_at_once(
         await until_used(redis, 0)
 
 
+async def test_one_clients_requests_take_equally_free_nodes_in_turn(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Ties between equally free nodes go in turn (``{pdr}:rr``), as in-process: one client's
+    requests, each given back before the next, do not all land on the node listed first."""
+    async with router(redis_server, slots=4, models={A_URL: None, B_URL: None}) as a:
+        nodes: list[str] = []
+        for _ in range(8):
+            held = await a.acquire(0)
+            nodes.append(held.node.url)
+            held.release()
+        assert min(nodes.count(A_URL), nodes.count(B_URL)) >= 2, nodes
+        await until_used(redis, 0, url=A_URL)
+        await until_used(redis, 0, url=B_URL)
+
+
 async def test_waiters_are_served_first_come_first_served_across_routers(
     redis_server: RedisServer, redis: Redis
 ) -> None:

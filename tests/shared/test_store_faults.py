@@ -441,6 +441,18 @@ async def test_a_bad_value_in_the_store_is_logged_repaired_and_serving_goes_on(
         assert await store.call("HGET", "{pdr}:slots", URLS[0]) == str(SLOTS).encode()
 
 
+async def test_nodes_whose_slots_the_store_lost_get_them_back_and_serving_goes_on(
+    server: RedisServer, store: Redis
+) -> None:
+    """Slots missing from the store are not nodes without slots: the acquisition that finds
+    none free and some missing has the router write them back (its renewal), and is served."""
+    async with router(server.url) as pool:
+        for url in URLS:
+            await store.call("HDEL", "{pdr}:slots", url)
+        await burst(store, pool)  # every slot taken at once: none refused as busy
+        assert await store.call("HMGET", "{pdr}:slots", *URLS) == [str(SLOTS).encode()] * 2
+
+
 async def test_a_request_never_carries_a_lua_error_and_the_store_is_repaired(
     server: RedisServer, store: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
