@@ -186,13 +186,19 @@ class DroppingProxy:
     as a proxy or a server that is not Redis might.
     A connection that forwards a command holding ``holding`` (bytes) forwards nothing back
     from then on and stays open, as a link the network stopped answering on, until
-    ``let_go``. New connections go to ``port`` as it is then: set it, and clients fail over
-    as they would behind Sentinel or a DNS name."""
+    ``let_go``. While ``delaying`` (seconds), what a client sends is forwarded that much
+    later (``delayed`` counts it; ``forwarded_late`` once it went), even after the client
+    gave up and closed: a command that reaches Redis late. New connections go to ``port``
+    as it is then: set it, and clients fail over as they would behind Sentinel or a DNS
+    name."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.dropping = False
         self.dropped = 0
+        self.delaying = 0.0
+        self.delayed = 0
+        self.forwarded_late = 0
         self.lying: bytes | None = None
         self.lied = 0
         self.holding: bytes | None = None
@@ -220,6 +226,13 @@ class DroppingProxy:
                         async for data in client:
                             if self.holding is not None and self.holding in data:
                                 stuck = True
+                            if self.delaying:
+                                self.delayed += 1
+                                with anyio.CancelScope(shield=True):
+                                    await anyio.sleep(self.delaying)
+                                    await upstream.send(data)
+                                self.forwarded_late += 1
+                                continue
                             await upstream.send(data)
                     tg.cancel_scope.cancel()
 

@@ -30,6 +30,8 @@ from pd_router.errors import Unauthorized
 _NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 _HEX_DIGEST = re.compile(r"[0-9A-Fa-f]{64}")
 _LIMIT = "max_in_flight="
+# More requests than any fleet holds at once; nine digits at most, whatever is written.
+MAX_IN_FLIGHT = 999_999_999
 _FORMAT = "expected NAME KEY [max_in_flight=N]"
 
 
@@ -96,6 +98,10 @@ def parse(text: str) -> Keys:
         if len(fields) < 2:
             raise KeyFileError(f"{where}: {_FORMAT}")
         name, secret, *options = fields
+        if secret.startswith(_LIMIT):
+            # "KEY max_in_flight=N": the name left out would make the key the name (in
+            # every log line and on /metrics) and the option a key anyone could guess.
+            raise KeyFileError(f"{where}: an option where the key belongs ({_FORMAT})")
         if not _NAME.fullmatch(name):
             raise KeyFileError(
                 f"{where}: the name must be 1 to 64 letters, digits or ._:@- (it goes in "
@@ -112,9 +118,12 @@ def parse(text: str) -> Keys:
                 raise KeyFileError(f"{where}: unknown or repeated option ({_FORMAT})")
             value = option[len(_LIMIT) :]
             # ASCII digits only: str.isdigit() takes superscripts (int() does not) and
-            # other scripts' digits (int() reads them).
-            if not (value.isascii() and value.isdigit()) or int(value) < 1:
-                raise KeyFileError(f"{where}: max_in_flight must be a whole number >= 1")
+            # other scripts' digits (int() reads them); a few, so that int() never refuses
+            # them (over 4,300 digits it raises).
+            if not (value.isascii() and value.isdigit() and len(value) <= 9) or int(value) < 1:
+                raise KeyFileError(
+                    f"{where}: max_in_flight must be a whole number from 1 to {MAX_IN_FLIGHT:,}"
+                )
             limit = int(value)
         names.add(name)
         digests.add(digest)

@@ -12,8 +12,11 @@ themselves from the faults a shared counter suffers:
 * a router killed or cut off: its hash expires with its lease, and with it its requests.
 
 All of a router's calls go through one worker, one at a time, each carrying every request
-asking to enter since the last one: a burst costs a round trip, not one per request, and
-no two calls of one router can reach Redis in the wrong order.
+asking to enter since the last one: a burst costs a round trip, not one per request. A
+call given up on (no reply in time) may still run late, after the next ones, and write
+back counts the router no longer has: calls are numbered, and Redis refuses one whose
+number is not above the last it ran. A failed call (its outcome unknown) is followed by
+another soon, whatever it carried, so that what Redis counts is this router's again.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class SharedKeyLimits(KeyLimits):
         jobs = anyio.create_memory_object_stream(math.inf)
         self._jobs, self._pending = jobs
         self._errors = ErrorReplies("shared key counts")
+        self._calls = 0  # the number of the last call sent
 
     def background(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
         return [("the shared key counts", self._work)]
@@ -110,8 +114,10 @@ class SharedKeyLimits(KeyLimits):
             finally:
                 for ask in asks:
                     ask.done.set()
-            if failed and None in batch:
-                # Redis still counts what was released here: tell it again soon.
+            if failed:
+                # The call may have run (a lost reply: an ask counted that was refused here)
+                # or not (a release Redis never heard): tell it again soon, as nothing else
+                # may call for a lease (a router that holds nothing does not renew).
                 await anyio.sleep(RETRY)
                 self._jobs.send_nowait(None)
 
@@ -126,7 +132,9 @@ class SharedKeyLimits(KeyLimits):
 
     async def _sync(self, asks: list[_Ask]) -> None:
         held = [item for name, count in self.in_flight.items() for item in (name, str(count))]
-        args = [self.router_id, str(int(self.lease * 1000)), str(len(held) // 2), *held]
+        self._calls += 1
+        lease = str(int(self.lease * 1000))
+        args = [self.router_id, lease, str(self._calls), str(len(held) // 2), *held]
         for ask in asks:
             args += [ask.name, str(ask.limit)]
         try:

@@ -759,13 +759,19 @@ FLEET_CHANNEL = "{pdr}:fleet"
 # * ``{pdr}:keys:R``       hash: key name -> requests router R has in flight for it, written
 #   whole by R at each of its calls, expiring with R's lease
 # * ``{pdr}:key-holders``  sorted set: routers holding some, scored by when their lease ends
+# * ``{pdr}:key-call:R``   string: the number of R's last call that ran (kept 10 minutes)
 
-# ARGV: router, lease ms, n, n pairs of (key name, requests held), then pairs of (key name,
-# max_in_flight) asked for, in order -> {per ask 1 (counted) or 0 (at its limit), notes}.
+# ARGV: router, lease ms, the call's number, n, n pairs of (key name, requests held), then
+# pairs of (key name, max_in_flight) asked for, in order -> {per ask 1 (counted) or 0 (at
+# its limit, or the call ran late), notes}.
 # The router's own counts are replaced by what it says it holds, never added to: a call
 # whose reply was lost, or a release that never arrived, is undone by the router's next call.
+# A call the router gave up on may also run late, after the calls that followed it (a slow
+# link, a proxy holding it): it would write back counts the router no longer has. So each
+# call of a router has a number, higher than its last, and one that is not higher than the
+# last that ran changes nothing and counts no ask.
 KEYS_SYNC = _COMMON + """
-local router, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local router, lease, call, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local holders, own = P .. 'key-holders', P .. 'keys:' .. router
 -- Whether key is of kind; one of another type is deleted and noted (every router writes
 -- its own counts again at its next call, and enters the holders then).
@@ -776,17 +782,30 @@ local function kept(key, kind)
   note(key, '', 'a ' .. is, 'deleted')
   return false
 end
+local calls = P .. 'key-call:' .. router
+if kept(calls, 'string') then
+  local stored = redis.call('GET', calls)
+  local last = as_count(stored)
+  if last == nil then
+    note(calls, '', stored, 'written again')
+  elseif call <= last then
+    local late = {}
+    for _ = 5 + 2 * n, #ARGV, 2 do late[#late + 1] = 0 end
+    return {late, bad}
+  end
+end
+redis.call('SET', calls, ARGV[3], 'PX', 600000)
 local now = now_ms()
 if kept(holders, 'zset') then redis.call('ZREMRANGEBYSCORE', holders, '-inf', now) end
 redis.call('DEL', own)
-for i = 0, n - 1 do redis.call('HSET', own, ARGV[4 + 2 * i], ARGV[5 + 2 * i]) end
+for i = 0, n - 1 do redis.call('HSET', own, ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
 local others = {}
 for _, other in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
   local key = P .. 'keys:' .. other
   if other ~= router and kept(key, 'hash') then others[#others + 1] = key end
 end
 local counted = {}
-for i = 4 + 2 * n, #ARGV, 2 do
+for i = 5 + 2 * n, #ARGV, 2 do
   local name, limit = ARGV[i], tonumber(ARGV[i + 1])
   local total = tonumber(redis.call('HGET', own, name) or '0')
   for _, key in ipairs(others) do

@@ -63,6 +63,12 @@ def test_anything_but_one_listed_bearer_key_is_401(headers: list[bytes]) -> None
         # Digits int() would not take, or would read in another script: refused alike.
         (f"alice {ALICE} max_in_flight=\u00b2\n", "line 1: max_in_flight must be"),
         (f"alice {ALICE} max_in_flight=\u0663\n", "line 1: max_in_flight must be"),
+        # Past int()'s 4,300 digits, or past any fleet: the line named, not a traceback.
+        (f"alice {ALICE} max_in_flight={'9' * 5000}\n", "line 1: max_in_flight must be"),
+        (f"alice {ALICE} max_in_flight=1000000000\n", "line 1: max_in_flight must be"),
+        # The name left out: the key would be the name (logged, on /metrics) and the
+        # option a key anyone could guess.
+        (f"{ALICE} max_in_flight=8\n", "line 1: an option where the key belongs"),
         (f"alice {ALICE} burst=3\n", "line 1: unknown or repeated option"),
         (f"alice {ALICE} max_in_flight=1 max_in_flight=2\n", "line 1: unknown or repeated"),
         ("alice sk-\u00e9t\u00e9\n", "line 1: a key must be printable ASCII"),

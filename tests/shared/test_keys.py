@@ -16,7 +16,6 @@ import anyio
 import pytest
 
 from pd_router.errors import RateLimited, StateUnavailable
-from pd_router.shared import keys
 from pd_router.shared.keys import SharedKeyLimits
 from pd_router.shared.redis import Redis, parse_url
 from tests.redis_server import DroppingProxy, RedisServer
@@ -78,18 +77,66 @@ async def test_a_keys_limit_is_the_fleets(redis: Redis, redis_server: RedisServe
         assert first.in_flight == {} and second.in_flight == {}
 
 
-async def test_a_call_whose_reply_was_lost_is_undone_by_the_routers_next_call(
+@asynccontextmanager
+async def behind_proxy(
+    redis_server: RedisServer, lease: float = 10.0
+) -> AsyncIterator[tuple[SharedKeyLimits, DroppingProxy]]:
+    """A router whose calls go through a ``DroppingProxy`` of the test's."""
+    proxy = DroppingProxy(redis_server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with router(redis_server, lease, f"redis://127.0.0.1:{port}/0") as limits:
+            yield limits, proxy
+        tg.cancel_scope.cancel()
+
+
+async def test_a_call_whose_reply_was_lost_is_undone_by_the_router_soon(
     redis: Redis, redis_server: RedisServer
 ) -> None:
-    async with router(redis_server) as first, router(redis_server) as second:
-        # first's call ran in Redis, but its reply never reached it (a timeout): Redis
-        # counts a request first does not know it has.
-        lost = [first.router_id, "10000", "0", "carol", "1"]
-        assert await keys._SYNC.run(redis, (), lost) == [[1], []]
-        assert not await admitted(second, "carol", 1)
-        # first's next call, for any key, writes what it really holds.
-        assert await admitted(first, "alice", 5)
-        assert await admitted(second, "carol", 1)
+    """The call ran in Redis, its reply never came back: the router refused the request
+    (503), Redis counts it. The router tells Redis what it holds again soon, though it has
+    nothing else to say (holding nothing, it renews no lease): before, Redis counted the
+    ghost until the lease ended (a minute here), and every router refused the key."""
+    async with behind_proxy(redis_server, lease=60.0) as (first, proxy):
+        async with router(redis_server) as second:
+            proxy.dropping = True
+            with pytest.raises(StateUnavailable):
+                await first.enter("carol", 1)
+            proxy.dropping = False
+            assert proxy.dropped >= 1 and first.in_flight == {}
+            with anyio.fail_after(15):
+                while not await admitted(second, "carol", 1):
+                    await anyio.sleep(0.05)
+
+
+async def test_a_call_that_reaches_redis_late_changes_nothing(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    """A release call held on its way (a slow link, a proxy) past the router's timeout runs
+    after the router's next calls: it would write back the counts it carried (none) over
+    those the router holds since (two), and let another router past the key's limit."""
+    async with behind_proxy(redis_server, lease=60.0) as (first, proxy):
+        async with router(redis_server) as second:
+            await first.enter("carol", 2)
+            proxy.delaying = 3.0
+            first.leave("carol")  # its call (holding none) is held 3 s on the way
+            await until(lambda: proxy.delayed == 1)
+            proxy.delaying = 0.0
+            with anyio.fail_after(15):
+                while True:  # refused with 503 while the call is held and given up on
+                    try:
+                        await first.enter("carol", 2)
+                        break
+                    except StateUnavailable:
+                        await anyio.sleep(0.1)
+            await first.enter("carol", 2)
+            assert first.in_flight == {"carol": 2}
+            await until(lambda: proxy.forwarded_late == 1)
+            await anyio.sleep(0.2)  # Redis has run it
+            assert not await admitted(second, "carol", 2)
+            first.leave("carol")
+            first.leave("carol")
+            await eventually_admitted(second, "carol", 2)
 
 
 async def test_a_router_that_died_holding_requests_gives_them_back_with_its_lease(
