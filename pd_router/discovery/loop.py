@@ -21,7 +21,7 @@ import anyio
 from pd_router.discovery.rules import Answer, Discovery, DnsSpec, Group
 from pd_router.errors import StateUnavailable
 from pd_router.fleet.membership import Membership
-from pd_router.fleet.nodes import Node
+from pd_router.fleet.nodes import Node, State
 from pd_router.fleet.registry import Fleet
 
 log = logging.getLogger("pd_router.discovery")
@@ -125,6 +125,17 @@ async def apply(
                 log.info("%s: %s node %s (%s) listed again; joining", *_named(spec, node))
         for address, node_id, force in group.sweep(now, drain_timeout, lambda i: _idle(nodes[i])):
             node = nodes[node_id]
+            if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):
+                # Taken back since it left this name (an operator added it again; with
+                # --state, a router that lists it undid the drain): not this name's to
+                # remove, and no longer followed by it (listed again, it is found again).
+                group.released(address)
+                log.info(
+                    "%s: %s node %s (%s) is %s again, though no longer listed: kept",
+                    *_named(spec, node),
+                    node.state.value,
+                )
+                continue
             held_requests = len(node.bound)
             try:
                 await membership.retire(node, force)

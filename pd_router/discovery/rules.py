@@ -256,6 +256,10 @@ class Group:
         del self.members[address]
         self.changes["removed"] += 1
 
+    def released(self, address: str) -> None:
+        """A gone address's node was taken back (it serves again): no longer this name's."""
+        del self.members[address]
+
     def _member(self, node_id: int) -> Member:
         return next(m for m in self.members.values() if m.node_id == node_id)
 

@@ -18,10 +18,7 @@ from typing import Any, Literal, Protocol
 import orjson
 
 from pd_router.fleet.nodes import Node, Role, State, normalise_url
-from pd_router.fleet.registry import Fleet
-
-# The reason a node drained by discovery shows; only such a drain is undone by its return.
-GONE = "gone from DNS"
+from pd_router.fleet.registry import GONE, Fleet
 
 # How a discovered node's source starts.
 DNS_SOURCE = "dns:"

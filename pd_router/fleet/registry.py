@@ -33,6 +33,8 @@ log = logging.getLogger("pd_router.fleet")
 
 # A joining node's reason for not serving.
 JOINING = "not yet probed"
+# The reason a node drained by discovery shows; only such a drain is undone by its return.
+GONE = "gone from DNS"
 # What a node that leads back to a router the request passed through is found to be
 # (``edge/hops.py``), and how long such a node is kept out, whatever its probes say.
 LOOP = "loop"
@@ -367,9 +369,15 @@ class Fleet:
         self.undrain(node)
 
     def drain(self, node: Node, reason: str = "drained") -> None:
-        if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):
+        """No new requests for ``node``; a dead one too (else it would serve again as soon
+        as its engine answers). An operator's drain of a node drained for DNS makes the
+        drain the operator's, which the address's return does not undo (``rejoin``)."""
+        if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING, State.DEAD):
             node.drained_from = node.state
             node.state = State.DRAINING
+            node.reason = reason
+            self._changed()
+        elif node.state is State.DRAINING and node.reason == GONE and reason != GONE:
             node.reason = reason
             self._changed()
 
@@ -377,10 +385,14 @@ class Fleet:
         """Undo a drain made for ``drained_for`` (an address back in DNS before its node was
         removed): the node joins again, under its id, and serves after a good probe (with
         ``joining`` false, nothing probes: it is as before its drain). A node drained for
-        another reason (an operator's) stays drained."""
+        another reason (an operator's) stays drained. One the evidence was against (drained
+        unhealthy or dead, or held out after a stall) goes back to that, to be readmitted
+        as such a node is (``--healthy-after``, its hold), not after one good probe: a hung
+        engine's address may flap in DNS while its ``/health`` answers."""
         if node.state is not State.DRAINING or node.reason != drained_for:
             return False
-        if joining:
+        trusted = node.drained_from in (None, State.SERVING, State.JOINING)
+        if joining and trusted and node.hold_until <= self.clock():
             node.state, node.reason, node.drained_from = State.JOINING, JOINING, None
             node.successes = 0
             self._changed()

@@ -39,9 +39,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pd_router.errors import StateUnavailable
-from pd_router.fleet.membership import GONE, Background, Conflict, Record, Verdict, apply
+from pd_router.fleet.membership import Background, Conflict, Record, Verdict, apply
 from pd_router.fleet.nodes import Node, Role, State
-from pd_router.fleet.registry import Fleet
+from pd_router.fleet.registry import GONE, Fleet
 from pd_router.shared import scripts
 from pd_router.shared.pool import SharedPool, answered, noting
 from pd_router.shared.redis import RETRY, RedisError, RedisUnavailable, Script, flag, listed
@@ -119,8 +119,9 @@ class SharedFleet:
     async def drain(self, node: Node) -> None:
         await self._set_admin(node, "draining", "")
 
-    async def remove(self, node: Node, force: bool) -> None:
-        """Refused as in one process, and also while another router has requests on it."""
+    async def remove(self, node: Node, force: bool, only_if: str = "") -> None:
+        """Refused as in one process, and also while another router has requests on it;
+        ``only_if``: and unless the fleet's admin state of it is that (its first word)."""
         if not force:
             if node.state in (State.SERVING, State.UNHEALTHY):
                 raise ValueError(f"node {node.id} is {node.state.value}: drain it first")
@@ -137,7 +138,7 @@ class SharedFleet:
         # Checked above on what this router last heard: the removal applies only if the
         # fleet's state is still that (another router may have added it again since).
         record = self.records.get(node.id)
-        seen = "" if force or record is None else record.admin
+        seen = only_if if force or record is None else record.admin
         await self._set_admin(node, "removed forced" if force else "removed", seen)
 
     async def in_flight(self) -> dict[str, dict[int, int]]:
@@ -172,7 +173,9 @@ class SharedFleet:
         return await self._dns_admin(node, "draining gone", "serving")
 
     async def retire(self, node: Node, force: bool) -> None:
-        await self.remove(node, force)
+        # Still drained: a router that lists the address may have undone the drain since
+        # this router last heard (a removal then would fail what runs on it everywhere).
+        await self.remove(node, force, only_if="draining")
 
     def background(self) -> Background:
         work: Background = [

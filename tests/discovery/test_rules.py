@@ -10,9 +10,9 @@ import pytest
 from pd_router.discovery.loop import apply
 from pd_router.discovery.rules import Answer, Discovery, Group, dns_spec, parse_dns_spec
 from pd_router.errors import Evidence
-from pd_router.fleet.membership import GONE, LocalMembership
+from pd_router.fleet.membership import LocalMembership
 from pd_router.fleet.nodes import Failure, Node, State, make_nodes
-from pd_router.fleet.registry import Fleet
+from pd_router.fleet.registry import GONE, Fleet
 
 A, B, C = "http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.3:8200"
 
@@ -228,6 +228,85 @@ def test_an_operators_drain_is_not_undone_and_an_operators_removal_is_redone() -
     fleet.remove(b, force=True)  # the operator's: the name still lists it
     (back,) = answer(fleet, discovery, A, B)
     assert back.url == B and back.id != b.id
+
+
+class Handle:
+    """A request bound to a node: what it is told when the node goes."""
+
+    request_id = "r1"
+
+    def __init__(self) -> None:
+        self.errors: list[object] = []
+
+    def fail(self, error: object) -> None:
+        self.errors.append(error)
+
+
+def test_a_gone_node_an_operator_added_again_is_kept_past_the_drain_bound() -> None:
+    """The operator put the engine back (POST /admin/nodes: 200 serving): the name that
+    lost its address no longer removes it, nor fails what runs on it."""
+    fleet, discovery, clock = setup()
+    (a,) = answer(fleet, discovery, A)
+    fleet.probed(a)
+    handle = Handle()
+    with fleet.bind(handle, a):
+        answer(fleet, discovery, B)
+        assert (a.state, a.reason) == (State.DRAINING, GONE)
+        fleet.add_again(a, 8, {})
+        assert a.state is State.SERVING
+        clock.now += 31  # past the drain bound (30 s)
+        answer(fleet, discovery, B)
+        answer(fleet, discovery, B)
+        assert a in fleet.pool.nodes and a.state is State.SERVING and handle.errors == []
+        assert A not in discovery.groups[0].members
+
+
+def test_a_stalled_node_whose_address_flaps_is_not_readmitted_by_one_good_probe() -> None:
+    """A hung engine answers /health: its stall hold (and --healthy-after) must still run
+    out after its address left DNS and came back, as without the flap."""
+    fleet, discovery, clock = setup()
+    (a,) = answer(fleet, discovery, A)
+    fleet.probed(a)
+    fleet.stalled(a, [], 30.0, hold=600.0)
+    assert a.state is State.UNHEALTHY
+    a.bound.add("r1")  # kept while it drains
+    answer(fleet, discovery, B)
+    assert (a.state, a.reason) == (State.DRAINING, GONE)
+    answer(fleet, discovery, A, B)
+    clock.now += 1
+    fleet.probed(a)
+    assert a.state is State.UNHEALTHY, "one good probe, its hold still running"
+    clock.now += 600
+    for _ in range(fleet.policy.healthy_after):
+        fleet.probed(a)
+    assert a.state is State.SERVING
+
+
+def test_a_drained_dead_node_stays_out_when_its_engine_answers_again() -> None:
+    fleet, discovery, _ = setup()
+    (a,) = answer(fleet, discovery, A)
+    fleet.probed(a)
+    for _ in range(fleet.policy.unhealthy_after):
+        fleet.failed(a, Failure("connection refused", "refused", Evidence.HARD))
+    assert a.state is State.DEAD
+    fleet.drain(a)  # the operator's
+    for _ in range(fleet.policy.healthy_after + 1):
+        fleet.probed(a)
+    assert a.state is State.DRAINING and a.id not in fleet.serving_view()
+    fleet.undrain(a)
+    assert a.state is State.DEAD  # back as the evidence left it: readmitted by probes
+
+
+def test_an_operators_drain_of_a_node_gone_from_dns_is_kept_when_the_address_returns() -> None:
+    fleet, discovery, _ = setup()
+    (a,) = answer(fleet, discovery, A)
+    fleet.probed(a)
+    a.bound.add("r1")  # kept while it drains
+    answer(fleet, discovery, B)
+    fleet.drain(a)  # the operator's, while it drains for DNS
+    assert (a.state, a.reason) == (State.DRAINING, "drained")
+    answer(fleet, discovery, A, B)
+    assert (a.state, a.reason) == (State.DRAINING, "drained")
 
 
 def test_a_joining_node_gone_before_its_first_probe_is_removed() -> None:

@@ -9,9 +9,9 @@ from contextlib import nullcontext
 import pytest
 
 from pd_router.errors import Evidence, NodeDead
-from pd_router.fleet.membership import GONE, LocalMembership, Record, Verdict, apply
+from pd_router.fleet.membership import LocalMembership, Record, Verdict, apply
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
-from pd_router.fleet.registry import Fleet
+from pd_router.fleet.registry import GONE, Fleet
 from tests.fleet.test_registry import Request
 
 pytestmark = pytest.mark.anyio

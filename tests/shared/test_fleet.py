@@ -407,6 +407,49 @@ async def test_routers_whose_lookups_differ_never_fail_a_request_nor_duplicate_a
         assert ids(a) == ids(b) and ids(b)[D2] == d2 and len(a.fleet.pool.nodes) == 2
 
 
+async def test_a_drain_another_router_undid_is_not_forced_into_a_removal(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """b's lookups lost an address and drained its node for the fleet; a's lost it briefly
+    and, listing it again, undid the drain: the node serves everywhere. b's drain bound
+    then runs out: b must not remove it (that would fail a's requests on it), and lets it
+    go from its name."""
+    spec = parse_dns_spec("decode.test:1", "decode")
+    both, only_d0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
+    async with router(redis_server, decode=[]) as a, router(redis_server, decode=[]) as b:
+        found = {r: Discovery([Group(spec)], drain_timeout=60) for r in (a, b)}
+
+        async def look(r: SharedFleet, answer: Answer) -> None:
+            for node in await apply(found[r].groups[0], answer, r.fleet, found[r], r):
+                r.fleet.probed(node)
+
+        await look(a, both)
+        await look(b, both)
+        d2 = ids(a)[D2]
+        a_d2 = a.fleet.node(d2)
+        assert a_d2 is not None
+        request = Request("r1")
+        with a.fleet.bind(request, a_d2):
+            await counted(b, a, d2, 1)
+            found[b].drain_timeout = 60.0
+            await look(b, only_d0)  # drained for the fleet, kept under a's request
+            await until(lambda: state(a, D2) is State.DRAINING)
+            await look(a, only_d0)
+            await look(a, both)  # a lists it again: a's return undoes the drain
+            await until(lambda: state(b, D2) in (State.JOINING, State.SERVING))
+            # Had b not heard yet, Redis refuses its forced removal all the same.
+            b_d2 = b.fleet.node(d2)
+            assert b_d2 is not None
+            with pytest.raises(Conflict):
+                await b.retire(b_d2, force=True)
+            found[b].drain_timeout = 0.0  # b's bound runs out at its next sweep
+            await look(b, only_d0)
+            await look(b, only_d0)
+            assert state(b, D2) is not None and state(a, D2) is not None
+            assert request.errors == []
+        assert D2 not in found[b].groups[0].members
+
+
 async def test_bad_values_in_the_fleets_keys_are_logged_and_serving_goes_on(
     redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
