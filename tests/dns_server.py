@@ -5,10 +5,14 @@ writing the file (``DnsServer.set``, atomically: a query never sees half a file)
 
     {"decode.test.": {"A": ["127.0.0.1"], "AAAA": ["::1"]},
      "_http._tcp.decode.test.": {"SRV": [[0, 0, 8200, "d0.test."]]},
-     "broken.test.": {"rcode": "SERVFAIL"}}
+     "broken.test.": {"rcode": "SERVFAIL"},
+     "v4only.test.": {"A": ["127.0.0.1"], "rcode AAAA": "REFUSED"},
+     "mute.test.": {"A": ["127.0.0.1"], "drop": ["AAAA"]}}
 
 A name not in the file is NXDOMAIN; a name without the type asked for has an empty
-answer (NODATA). ``DnsServer`` starts it with ``python tests/dns_server.py PORT FILE``,
+answer (NODATA); ``"rcode TYPE"`` answers that type's queries with that code, and
+``"drop"`` leaves those types' queries unanswered (as resolvers that refuse or drop AAAA
+queries do). ``DnsServer`` starts it with ``python tests/dns_server.py PORT FILE``,
 stops it by its own PID, and can start it again on the same port.
 """
 
@@ -50,12 +54,14 @@ def serve(port: int, zone: Path) -> None:
         question = query.question[0]
         name = question.name.to_text().lower()
         records = json.loads(zone.read_text()).get(name)
+        kind = dns.rdatatype.to_text(question.rdtype)
+        if records is not None and kind in records.get("drop", []):
+            continue
         if records is None:
             reply.set_rcode(dns.rcode.NXDOMAIN)
-        elif "rcode" in records:
-            reply.set_rcode(dns.rcode.from_text(records["rcode"]))
+        elif "rcode" in records or f"rcode {kind}" in records:
+            reply.set_rcode(dns.rcode.from_text(records.get(f"rcode {kind}", records.get("rcode"))))
         else:
-            kind = dns.rdatatype.to_text(question.rdtype)
             values = [
                 " ".join(map(str, v)) if isinstance(v, list) else v for v in records.get(kind, [])
             ]

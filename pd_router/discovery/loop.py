@@ -167,6 +167,18 @@ def _named(spec: DnsSpec, node: Node) -> tuple[str, str, int, str]:
 
 def _log_outcome(group: Group, answer: Answer) -> None:
     # By outcome only: a server that is away answers "refused" and "timed out" by turns.
+    if answer.failure is None and answer.unknown != group.last_unknown:
+        group.last_unknown = answer.unknown
+        if answer.unknown:
+            log.warning(
+                "%s: %s lookups fail (%s); the addresses of %s are kept as they are",
+                group.spec.source,
+                " and ".join(sorted(answer.unknown)),
+                answer.partial,
+                " and ".join(sorted(answer.unknown)),
+            )
+        else:
+            log.info("%s: lookups of every address family answer again", group.spec.source)
     outcome = answer.outcome
     previous, group.last = group.last, outcome
     if outcome == previous:

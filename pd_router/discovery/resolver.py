@@ -8,6 +8,9 @@ within one ``--discovery-interval`` plus the records' TTL in any cache on the wa
 A lookup never raises: a query that did not answer (timeout, SERVFAIL, REFUSED, no
 server) makes the whole answer a failure, since a partial list would drain nodes that are
 still there; a name that does not exist (NXDOMAIN) or has no such records is an empty part.
+One exception: a name's A query answered and its AAAA query did not (or the reverse), as
+from resolvers that refuse or drop AAAA queries: the answer has the family that answered,
+and says which did not (``Answer.unknown``): its addresses are kept as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import dns.nameserver
 import dns.resolver
 from dns.rdtypes.IN.SRV import SRV
 
-from pd_router.discovery.rules import Answer, DnsSpec, url
+from pd_router.discovery.rules import IPV4, IPV6, Answer, DnsSpec, url
 
 T = TypeVar("T")
 
@@ -55,25 +58,44 @@ class Resolver:
     async def lookup(self, spec: DnsSpec) -> Answer:
         try:
             # An SRV name has no port of its own (parse_dns_spec): its records give them.
+            unknown: dict[str, str] = {}
             if spec.port is None:
-                found = await self._srv(spec.name)
+                found = await self._srv(spec.name, unknown)
             else:
-                found = {url(address, spec.port) for address in await self._addresses(spec.name)}
+                addresses = await self._addresses(spec.name, unknown)
+                found = {url(address, spec.port) for address in addresses}
         except _Failed as exc:
             return Answer(failure=str(exc))
-        return Answer(frozenset(found))
+        return Answer(frozenset(found), unknown=frozenset(unknown), partial=_first(unknown))
 
-    async def _srv(self, name: str) -> set[str]:
+    async def _srv(self, name: str, unknown: dict[str, str]) -> set[str]:
         records = [r for r in await self._query(name, "SRV") if isinstance(r, SRV)]
         # A target of "." says the service is not there (RFC 2782); port 0 is no port an
         # engine listens on: either record is skipped, never the whole answer.
         targets = [(r.target, r.port) for r in records if r.target != dns.name.root and r.port]
-        addresses = await _all(self._addresses(target) for target, _ in targets)
+        addresses = await _all(self._addresses(target, unknown) for target, _ in targets)
         return {url(a, port) for (_, port), found in zip(targets, addresses) for a in found}
 
-    async def _addresses(self, name: str | dns.name.Name) -> list[str]:
-        v4, v6 = await _all(self._query(name, rdtype) for rdtype in ("A", "AAAA"))
-        return [str(record) for record in (*v4, *v6)]
+    async def _addresses(self, name: str | dns.name.Name, unknown: dict[str, str]) -> list[str]:
+        """The name's addresses; a family whose query failed while the other's answered
+        goes in ``unknown`` (family -> why), with no address of it."""
+        families = {"A": IPV4, "AAAA": IPV6}
+        answered: list[str] = []
+        failures: list[_Failed] = []
+
+        async def query(rdtype: str) -> None:
+            try:
+                answered.extend(str(record) for record in await self._query(name, rdtype))
+            except _Failed as exc:
+                unknown.setdefault(families[rdtype], str(exc))
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for rdtype in families:
+                tg.start_soon(query, rdtype)
+        if len(failures) == len(families):
+            raise failures[0]
+        return answered
 
     async def _query(self, name: str | dns.name.Name, rdtype: str) -> list[Any]:
         try:
@@ -98,6 +120,10 @@ class Resolver:
         except dns.exception.DNSException as exc:
             raise _Failed(f"{rdtype} {name}: {type(exc).__name__}: {exc}") from None
         return list(answer.rrset or ())
+
+
+def _first(unknown: dict[str, str]) -> str | None:
+    return next(iter(unknown.values()), None)
 
 
 async def _all(work: Iterable[Coroutine[Any, Any, list[T]]]) -> list[list[T]]:

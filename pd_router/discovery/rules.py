@@ -138,6 +138,14 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
     return name, port
 
 
+IPV4, IPV6 = "IPv4", "IPv6"
+
+
+def family(node_url: str) -> str:
+    """The address family of a discovered node's URL (``url``)."""
+    return IPV6 if "[" in node_url else IPV4
+
+
 def url(address: str, port: int) -> str:
     """A node's URL, and so its identity, from an IP address: canonical as every other
     source's (``fleet/nodes.py``), so that an address also given by URL is one node."""
@@ -153,6 +161,11 @@ class Answer:
     addresses: frozenset[str] = frozenset()
     # Set when some query did not answer (timeout, SERVFAIL...): the addresses are not known.
     failure: str | None = None
+    # Address families (``IPV4``, ``IPV6``) whose queries did not answer while the other's
+    # did: the addresses of those are not known, and are kept as they are; ``partial``
+    # says why.
+    unknown: frozenset[str] = frozenset()
+    partial: str | None = None
 
     @property
     def outcome(self) -> Outcome:
@@ -187,8 +200,10 @@ class Group:
         self.members: dict[str, Member] = {}
         self.lookups: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
         self.changes: dict[Change, int] = dict.fromkeys(CHANGES, 0)
-        # The last lookup's outcome, so that a lasting failure is logged once.
+        # The last lookup's outcome, so that a lasting failure is logged once; likewise the
+        # address families that did not answer.
         self.last: Outcome | None = None
+        self.last_unknown: frozenset[str] = frozenset()
         self.listed = 0
         # The addresses its last real answer listed: a node another name of the role stops
         # listing passes to this one while this one lists it (``hand_over``).
@@ -205,8 +220,12 @@ class Group:
         self.members = {u: m for u, m in self.members.items() if m.node_id in alive}
         if answer.outcome != "ok":
             return Plan()
-        self.listed = len(answer.addresses)
-        listed = self.addresses = answer.addresses
+        # A family that did not answer lists what it listed before.
+        kept = {
+            u for u, m in self.members.items() if family(u) in answer.unknown and not m.gone_since
+        }
+        listed = self.addresses = answer.addresses | kept
+        self.listed = len(listed)
         add = tuple(sorted(u for u in listed if u not in self.members and u not in taken))
         drain, rejoin = [], []
         for address, member in self.members.items():

@@ -101,6 +101,24 @@ async def test_a_failing_srv_target_fails_the_whole_lookup(server: DnsServer) ->
     assert answer.outcome == "failed"
 
 
+@pytest.mark.parametrize("aaaa", [{"rcode AAAA": "REFUSED"}, {"drop": ["AAAA"]}])
+async def test_a_resolver_that_refuses_or_drops_aaaa_queries_still_gives_the_ipv4_nodes(
+    server: DnsServer, aaaa: dict[str, object]
+) -> None:
+    """Such resolvers exist: before, every lookup failed and the router never found a node.
+    What the failed family listed is not known: its nodes are kept as they are."""
+    server.set({"decode.test.": {"A": ["10.0.0.1", "10.0.0.2"], **aaaa}})
+    answer = await resolver(server).lookup(parse_dns_spec("decode.test:8200", "decode"))
+    assert answer.addresses == {"http://10.0.0.1:8200", "http://10.0.0.2:8200"}
+    assert answer.outcome == "ok" and answer.unknown == {"IPv6"} and "AAAA" in str(answer.partial)
+    group = Group(parse_dns_spec("decode.test:8200", "decode"))
+    group.joined("http://[fd00::1]:8200", 7)
+    group.joined("http://10.0.0.3:8200", 8)
+    plan = group.update(answer, (), {7, 8})
+    assert plan.drain == (8,), "the IPv6 node is kept, the IPv4 one no longer listed goes"
+    assert set(plan.add) == {"http://10.0.0.1:8200", "http://10.0.0.2:8200"}
+
+
 async def test_no_server_fails_the_lookup_within_its_timeout() -> None:
     with DnsServer() as gone:
         port = gone.port
