@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -52,6 +53,7 @@ from pd_router.fleet.membership import LocalMembership, Membership
 from pd_router.fleet.models import listing as model_listing
 from pd_router.fleet.nodes import Node
 from pd_router.ops import logs
+from pd_router.ops.gathered import GatheredMetrics
 from pd_router.ops.lag import LoopLag
 from pd_router.relay import Relay, Router, refused_line
 from pd_router.shared.abort import RemoteAborts
@@ -188,11 +190,15 @@ class AppOptions:
     # The address the router listens on (host, port), to refuse it as an engine; None:
     # not known (in-process tests).
     listen: tuple[str, int] | None = None
+    # With --workers: this worker's number, and the directory where every worker's series
+    # meet for /metrics (``ops/gathered.py``); None: a router of one process.
+    worker: tuple[int, Path] | None = None
 
 
 def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     options = options or AppOptions()
     registry = router.telemetry.registry
+    gathered = None if options.worker is None else GatheredMetrics(registry, *options.worker)
     fleet = router.fleet
     remote = None
     placements = None
@@ -231,10 +237,13 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
         }
         if not pool.available:
             document["shared_state"] = "unavailable"
+        if options.worker is not None:
+            document["worker"] = options.worker[0]  # the counts above are this worker's
         return _json(document, 200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry) if gathered is None else gathered.exposition()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -242,6 +251,8 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
             async with anyio.create_task_group() as tg:
                 stopping = router.stopping = anyio.Event()
                 tg.start_soon(supervise, "the loop-lag ticker", lag.run)
+                if gathered is not None:
+                    tg.start_soon(supervise, "the metrics snapshot", gathered.run)
                 if options.health_interval > 0:
                     prober = partial(
                         probe_forever,

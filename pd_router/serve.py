@@ -13,11 +13,14 @@ import errno
 import gc
 import ipaddress
 import logging
+import shutil
 import socket
 import ssl
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from importlib import metadata
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -545,25 +548,38 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
         _serve(args, router, sock)
         return
     logs.configure(args.log_level, args.log_format)
-    # ``router`` was the check that the flags make one; it is not a worker's: each must be a
-    # router of its own to the shared pool (its own id and lease), so each builds its own.
-    code = workers.supervise(args.workers, partial(_work, args, sock, router.mark), sock)
+    # Where the workers' series meet for /metrics (``ops/gathered.py``): the parent's, made
+    # before the first fork and gone with it.
+    metrics = Path(tempfile.mkdtemp(prefix="pd-router-metrics-"))
+    try:
+        # ``router`` was the check that the flags make one; it is not a worker's: each must
+        # be a router of its own to the shared pool (its own id and lease), so each builds
+        # its own.
+        work = partial(_work, args, sock, router.mark, metrics)
+        code = workers.supervise(args.workers, work, sock)
+    finally:
+        shutil.rmtree(metrics, ignore_errors=True)
     if code:
         raise SystemExit(code)
 
 
-def _work(args: argparse.Namespace, sock: socket.socket, mark: str, worker: int) -> None:
+def _work(
+    args: argparse.Namespace, sock: socket.socket, mark: str, metrics: Path, worker: int
+) -> None:
     # One mark for every worker: a request that comes back through another worker of this
     # router came back all the same.
-    _serve(args, build_router(args, mark), sock, worker)
+    _serve(args, build_router(args, mark), sock, (worker, metrics))
 
 
 def _serve(
-    args: argparse.Namespace, router: Router, sock: socket.socket, worker: int | None = None
+    args: argparse.Namespace,
+    router: Router,
+    sock: socket.socket,
+    worker: tuple[int, Path] | None = None,
 ) -> None:
     logs.configure(args.log_level, args.log_format)
     if worker is not None:
-        workers.tag_logs(worker, args.log_format)
+        workers.tag_logs(worker[0], args.log_format)
     if args.tracing is not None:
         router.tracer = tracing.load(args.tracing)(args.tracing.endpoint)
         endpoint = tracing.shown(args.tracing.endpoint)
@@ -576,6 +592,7 @@ def _serve(
         stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
         listen=(args.host, args.port),
+        worker=worker,
     )
     limits = ClientLimits(
         max_head=args.max_header_bytes,

@@ -74,13 +74,16 @@ def from_metrics(text: str) -> Snapshot:
     snapshot = Snapshot()
     rows: dict[int, NodeRow] = {}
     seen_router = False
+    # With --workers each series comes once per worker (its ``worker`` label): the counts
+    # are summed, what each worker says of a node (slots, state) is the same.
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
             if name == "pd_router_queue_depth":
-                snapshot.queue_depth, seen_router = int(value), True
+                snapshot.queue_depth += int(value)
+                seen_router = True
             elif name == "pd_router_in_flight":
-                snapshot.in_flight = int(value)
+                snapshot.in_flight += int(value)
             elif name.startswith("pd_router_node_") and "node" in labels:
                 node_id = int(labels["node"])
                 row = rows.get(node_id)
@@ -89,7 +92,7 @@ def from_metrics(text: str) -> Snapshot:
                 if name == "pd_router_node_slots":
                     row.slots = int(value)
                 elif name == "pd_router_node_slots_in_use":
-                    row.in_use = int(value)
+                    row.in_use += int(value)
                 elif name == "pd_router_node_consecutive_failures":
                     row.failures = int(value)
                 elif name == "pd_router_node_state" and value == 1:

@@ -318,6 +318,23 @@ pd_router_node_consecutive_failures{{{labels}}} 1.0
     assert snapshot.nodes == [NodeRow(1, "decode", "http://d0:8200", "draining", 8, 5, 1)]
 
 
+def test_from_metrics_of_workers_sums_their_counts() -> None:
+    """With --workers every series comes once per worker: slots in use, queue and requests
+    in flight are the workers' sums, a node is one row."""
+    text = "# TYPE pd_router_queue_depth gauge\n"
+    text += 'pd_router_queue_depth{worker="1"} 2.0\npd_router_queue_depth{worker="2"} 1.0\n'
+    text += "# TYPE pd_router_in_flight gauge\n"
+    text += 'pd_router_in_flight{worker="1"} 5.0\npd_router_in_flight{worker="2"} 3.0\n'
+    for kind, value in (("slots", 8.0), ("slots_in_use", 4.0)):
+        text += f"# TYPE pd_router_node_{kind} gauge\n"
+        for worker in ("1", "2"):
+            labels = f'node="1",url="http://d0:8200",role="decode",worker="{worker}"'
+            text += f"pd_router_node_{kind}{{{labels}}} {value}\n"
+    snapshot = from_metrics(text)
+    assert (snapshot.queue_depth, snapshot.in_flight) == (3, 8)
+    assert [(row.id, row.slots, row.in_use) for row in snapshot.nodes] == [(1, 8, 8)]
+
+
 def test_the_source_of_discovered_nodes_from_either_source_and_in_the_table() -> None:
     labels = 'node="4",url="http://10.0.0.7:8200",role="decode"'
     text = f"""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.edge.protocol import LINGER
 from pd_router.sim.fleet import SimFleet
@@ -124,6 +125,41 @@ def test_both_workers_serve(fleet: SimFleet, redis_server: RedisServer) -> None:
         assert set(served_by(router)) == {1, 2}
         # The engines are probed once for the fleet, not once per worker.
         assert len(re.findall(r"worker=\d .*probes the engines for the fleet", router.log())) == 1
+
+
+def test_every_scrape_shows_every_workers_series_whichever_worker_answers(
+    fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    """The kernel gives each connection to either worker: a scrape answered by one worker
+    with its own counts alone went 8, 8, 2, 8 for 10 requests (a counter reset each time)."""
+    with workers(fleet, redis_server) as router:
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda _: post(router.url), range(20))) == [200] * 20
+        wait_for(lambda: set(served_by(router)) == {1, 2}, what="both workers serving")
+        answered_by = set()
+        deadline = time.monotonic() + START
+        scrapes: list[dict[str, float]] = []
+        while len(answered_by) < 2 or len(scrapes) < 6:
+            assert time.monotonic() < deadline, f"scrapes answered by {answered_by}: {scrapes}"
+            with httpx.Client() as client:  # a connection of its own: either worker's
+                answered_by.add(client.get(f"{router.url}/health").json()["worker"])
+            with httpx.Client() as client:
+                text = client.get(f"{router.url}/metrics").text
+            ok: dict[str, float] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if (
+                        sample.name == "pd_router_requests_total"
+                        and sample.labels["outcome"] == "ok"
+                        and sample.labels["endpoint"] == "completions"
+                    ):
+                        ok[sample.labels["worker"]] = sample.value
+            scrapes.append(ok)
+            if sum(ok.values()) < 20:
+                time.sleep(0.2)  # a worker's file is at most a second old
+                scrapes.pop()
+        assert answered_by == {1, 2}
+        assert all(set(ok) == {"1", "2"} and sum(ok.values()) == 20 for ok in scrapes), scrapes
 
 
 @pytest.mark.parametrize(
