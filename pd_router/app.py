@@ -27,7 +27,6 @@ from pd_router.discovery.resolver import Resolver
 from pd_router.discovery.rules import Discovery
 from pd_router.edge import hops
 from pd_router.edge.auth import Key
-from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
 from pd_router.engines.kvevents import follow
@@ -55,6 +54,7 @@ from pd_router.fleet.nodes import Node
 from pd_router.ops import logs
 from pd_router.ops.gathered import GatheredMetrics
 from pd_router.ops.lag import LoopLag
+from pd_router.ops.metrics import OTHER
 from pd_router.relay import Relay, Router, refused_line
 from pd_router.shared.abort import RemoteAborts
 from pd_router.shared.fleet import SharedFleet
@@ -142,13 +142,13 @@ class RouterApp:
         self,
         openai: dict[str, OpenAIRoute],
         rest: Starlette,
-        mark: str,
-        keys: KeyFile | None = None,
+        router: Router,
     ) -> None:
         self.openai = openai
         self.rest = rest
-        self.mark = mark.encode()
-        self.keys = keys
+        self.mark = router.mark.encode()
+        self.keys = router.keys
+        self.telemetry = router.telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -174,6 +174,7 @@ class RouterApp:
                 try:
                     self.keys.keys.check(authorization)
                 except Unauthorized as error:
+                    self.telemetry.count(OTHER, "unauthorized")
                     await error_response(error)(scope, receive, send)
                     return
         await self.rest(scope, receive, send)
@@ -338,7 +339,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     # A redirect to the path without its slash would name the host the client's Host header
     # says; a 404 that names the right path serves the client better.
     rest.router.redirect_slashes = False
-    return RouterApp(openai, rest, router.mark, router.keys)
+    return RouterApp(openai, rest, router)
 
 
 async def _discover(

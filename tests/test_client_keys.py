@@ -131,6 +131,8 @@ def test_without_a_valid_key_every_v1_request_is_refused_before_anything(
         assert (
             metrics["pd_router_requests_total{endpoint=completions,key=,outcome=unauthorized}"] == 8
         )
+        # The 401s at other /v1/ paths too (/v1/models, one that does not exist).
+        assert metrics["pd_router_requests_total{endpoint=other,key=,outcome=unauthorized}"] == 4
 
 
 def test_a_valid_key_is_served_and_named_never_shown(fleet: SimFleet, tmp_path: Path) -> None:

@@ -49,6 +49,10 @@ OUTCOMES = (
     "rate_limited",
 )
 
+# The endpoint label of a request refused at another /v1/ path (a 401 without a valid key:
+# /v1/models, or a path that does not exist).
+OTHER = "other"
+
 # Seconds: from sub-millisecond router overhead to multi-minute generations.
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
