@@ -107,6 +107,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
         prefill_args=prefill_args,
         decode_args=decode_args,
         models=args.models,
+        # Not left running by a demo killed with SIGKILL (its `with` never ends then).
+        dies_with_us=True,
     ) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]

@@ -155,6 +155,17 @@ class _Supervisor:
             os.kill(pid, sig)
 
 
+def die_with_parent(parent: int) -> None:
+    """This process gets SIGTERM when ``parent``, the one that forked it, ends (even by
+    SIGKILL: the kernel sends it; more precisely when the thread that forked it ends); one
+    whose parent ended already exits at once. Linux only (``prctl``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:
+        raise SystemExit(0)  # it was gone before the request
+
+
 def _be_worker(
     worker: int, work: Callable[[int], None], parent: int, mask: Iterable[int]
 ) -> NoReturn:
@@ -165,11 +176,7 @@ def _be_worker(
         os.setsid()
         # A worker left without its parent (SIGKILL, the OOM killer) would hold the port,
         # unsupervised: the kernel sends it SIGTERM, and it drains and exits.
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM)) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-        if os.getppid() != parent:
-            raise SystemExit(0)  # it was gone before the request
+        die_with_parent(parent)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)

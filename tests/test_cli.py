@@ -517,6 +517,28 @@ def test_the_demo_serves_each_model_on_its_own_engines_and_names_the_prefill() -
     assert marked(mark) == [], "simulated engines left running"
 
 
+def test_a_demo_killed_with_sigkill_leaves_no_engine_running() -> None:
+    """Its `with` never ends then: the kernel stops its simulated engines (SIGTERM)."""
+    mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
+    argv = ["demo", "--port", "0", "--prefill-nodes", "1", "--decode-nodes", "1"]
+    demo = Running(argv, {"CLI_TEST_MARK": mark})
+    try:
+        demo.wait_for("stdout", r"try: curl")
+        engines = [pid for pid in marked(mark) if pid != demo.process.pid]
+        assert len(engines) == 2, engines
+    finally:
+        demo.process.kill()
+        demo.process.wait()
+        assert demo.process.stdout is not None and demo.process.stderr is not None
+        demo.process.stdout.close()
+        demo.process.stderr.close()
+    try:
+        wait_for(lambda: marked(mark) == [], timeout=20, what="the demo's engines gone with it")
+    finally:
+        for pid in marked(mark):  # only when the test failed: not left for the next one
+            os.kill(pid, signal.SIGKILL)
+
+
 def readme_recipe() -> list[str]:
     """The commands of README's 'Simulated engines by hand', one a line."""
     text = README.read_text()

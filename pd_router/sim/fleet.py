@@ -19,8 +19,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Self
+
+from pd_router.workers import die_with_parent
 
 Role = Literal["prefill", "decode"]
 
@@ -78,6 +81,10 @@ class ServerProcess:
     name = "server"
     # Set for a server that speaks HTTPS: how to reach it (its CA, a client certificate).
     tls: ssl.SSLContext | None = None
+    # SIGTERMed by the kernel when this process ends, SIGKILL included (``die_with_parent``:
+    # start it from a thread that lives as long as the process); else it outlives a
+    # process killed before it could stop it.
+    dies_with_us = False
 
     def __init__(
         self,
@@ -125,6 +132,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env} if self.env else None,
+                preexec_fn=partial(die_with_parent, os.getpid()) if self.dies_with_us else None,
             )
         return self
 
@@ -307,6 +315,7 @@ class SimFleet:
         decode_args: Sequence[str] = (),
         models: Sequence[str] = (),
         startup_timeout: float = 30.0,
+        dies_with_us: bool = False,
     ) -> None:
         self.prefill: list[EngineProcess] = []
         self.decode: list[EngineProcess] = []
@@ -316,6 +325,8 @@ class SimFleet:
                 EngineProcess("prefill", [*prefill_args, *named]) for _ in range(prefill)
             ]
             self.decode += [EngineProcess("decode", [*decode_args, *named]) for _ in range(decode)]
+        for engine in self.engines:
+            engine.dies_with_us = dies_with_us
         self.startup_timeout = startup_timeout
 
     @property
