@@ -10,7 +10,9 @@ defaults.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from pd_router.parser import Parser
 from pd_router.serve import (
@@ -24,6 +26,7 @@ from pd_router.serve import (
     serve,
 )
 from pd_router.sim.fleet import SimFleet
+from pd_router.workers import die_with_parent
 
 # Unlike the router's: enough slots and patience that a few curls at once queue, not 429.
 DEFAULTS = {"decode_slots": 4, "queue_timeout": 10.0}
@@ -108,7 +111,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
         decode_args=decode_args,
         models=args.models,
         # Not left running by a demo killed with SIGKILL (its `with` never ends then).
-        dies_with_us=True,
+        preexec=partial(die_with_parent, os.getpid()),
     ) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]

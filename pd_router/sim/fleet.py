@@ -18,12 +18,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
-from functools import partial
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
-
-from pd_router.workers import die_with_parent
 
 Role = Literal["prefill", "decode"]
 
@@ -81,10 +78,9 @@ class ServerProcess:
     name = "server"
     # Set for a server that speaks HTTPS: how to reach it (its CA, a client certificate).
     tls: ssl.SSLContext | None = None
-    # SIGTERMed by the kernel when this process ends, SIGKILL included (``die_with_parent``:
-    # start it from a thread that lives as long as the process); else it outlives a
-    # process killed before it could stop it.
-    dies_with_us = False
+    # Run in the child before the server's program (``subprocess.Popen``'s ``preexec_fn``):
+    # the demo's has the kernel end it with the demo, SIGKILL included.
+    preexec: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -132,7 +128,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env} if self.env else None,
-                preexec_fn=partial(die_with_parent, os.getpid()) if self.dies_with_us else None,
+                preexec_fn=self.preexec,
             )
         return self
 
@@ -315,7 +311,7 @@ class SimFleet:
         decode_args: Sequence[str] = (),
         models: Sequence[str] = (),
         startup_timeout: float = 30.0,
-        dies_with_us: bool = False,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.prefill: list[EngineProcess] = []
         self.decode: list[EngineProcess] = []
@@ -326,7 +322,7 @@ class SimFleet:
             ]
             self.decode += [EngineProcess("decode", [*decode_args, *named]) for _ in range(decode)]
         for engine in self.engines:
-            engine.dies_with_us = dies_with_us
+            engine.preexec = preexec
         self.startup_timeout = startup_timeout
 
     @property
