@@ -364,18 +364,9 @@ def _shown(default: Any) -> str:
     return str(default)
 
 
-def build_router(
-    args: argparse.Namespace, mark: str | None = None, keys: KeyFile | None = None
-) -> Router:
+def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
     """``mark``: the loop mark (``edge/hops.py``) of the router this one is a worker of;
-    None: a new router, a new mark. ``keys``: that router's keys file, read again here if
-    it changed, and kept if it cannot be used now (a worker started again while the file
-    is broken serves with the keys the router started with, as the others keep theirs);
-    None: read at start."""
-    if keys is not None:
-        keys.refresh()
-    elif args.api_keys_file is not None:
-        keys = KeyFile(args.api_keys_file)
+    None: a new router, a new mark."""
     prefill = make_nodes(args.prefill or [], 1, role="prefill")
     decode = make_nodes(args.decode or [], args.decode_slots, first_id=len(prefill))
     names = [*(args.prefill_dns or []), *(args.decode_dns or [])]
@@ -424,7 +415,7 @@ def build_router(
             max_local_prefill=args.max_local_prefill,
         ),
         discovery=discovery,
-        keys=keys,
+        keys=None if args.api_keys_file is None else KeyFile(args.api_keys_file),
         key_limits=key_limits,
         mark=mark or hops.new_mark(),
     )
@@ -564,7 +555,7 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
         # ``router`` was the check that the flags make one; it is not a worker's: each must
         # be a router of its own to the shared pool (its own id and lease), so each builds
         # its own.
-        work = partial(_work, args, sock, router.mark, router.keys, metrics)
+        work = partial(_work, args, sock, router.mark, metrics)
         code = workers.supervise(args.workers, work, sock)
     finally:
         shutil.rmtree(metrics, ignore_errors=True)
@@ -573,16 +564,11 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
 
 
 def _work(
-    args: argparse.Namespace,
-    sock: socket.socket,
-    mark: str,
-    keys: KeyFile | None,
-    metrics: Path,
-    worker: int,
+    args: argparse.Namespace, sock: socket.socket, mark: str, metrics: Path, worker: int
 ) -> None:
     # One mark for every worker: a request that comes back through another worker of this
     # router came back all the same.
-    _serve(args, build_router(args, mark, keys), sock, (worker, metrics))
+    _serve(args, build_router(args, mark), sock, (worker, metrics))
 
 
 def _serve(
