@@ -13,6 +13,7 @@ import errno
 import gc
 import ipaddress
 import logging
+import os
 import shutil
 import socket
 import ssl
@@ -550,7 +551,7 @@ def serve(args: argparse.Namespace, router: Router, sock: socket.socket) -> None
     logs.configure(args.log_level, args.log_format)
     # Where the workers' series meet for /metrics (``ops/gathered.py``): the parent's, made
     # before the first fork and gone with it.
-    metrics = Path(tempfile.mkdtemp(prefix="pd-router-metrics-"))
+    metrics = Path(tempfile.mkdtemp(prefix=f"pd-router-metrics-{os.getpid()}-"))
     try:
         # ``router`` was the check that the flags make one; it is not a worker's: each must
         # be a router of its own to the shared pool (its own id and lease), so each builds
@@ -568,7 +569,14 @@ def _work(
 ) -> None:
     # One mark for every worker: a request that comes back through another worker of this
     # router came back all the same.
-    _serve(args, build_router(args, mark), sock, (worker, metrics))
+    parent = os.getppid()
+    try:
+        _serve(args, build_router(args, mark), sock, (worker, metrics))
+    finally:
+        if os.getppid() != parent:
+            # The parent was killed (its own removal never runs): the last worker out
+            # leaves no directory behind.
+            shutil.rmtree(metrics, ignore_errors=True)
 
 
 def _serve(

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess  # nosec B404
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -269,12 +270,16 @@ def test_sigterm_drains_every_worker_and_leaves_no_process(
 def test_workers_do_not_outlive_a_killed_parent(fleet: SimFleet, redis_server: RedisServer) -> None:
     with workers(fleet, redis_server) as router:
         pids = ready(router).values()
+        # Where the workers' series meet for /metrics: the parent's, removed by the last
+        # worker out when the parent cannot.
+        (metrics,) = Path(tempfile.gettempdir()).glob(f"pd-router-metrics-{router.pid}-*")
         router.kill()
         wait_for(
             lambda: not any(alive(pid) for pid in pids),
             timeout=SHUTDOWN + LINGER + 5,
             what="the workers gone with their parent",
         )
+        assert not metrics.exists()
 
 
 CRASHING = """

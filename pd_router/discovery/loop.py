@@ -125,10 +125,11 @@ async def apply(
                 log.info("%s: %s node %s (%s) listed again; joining", *_named(spec, node))
         for address, node_id, force in group.sweep(now, drain_timeout, lambda i: _idle(nodes[i])):
             node = nodes[node_id]
-            if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING):
+            if node.state is not State.DRAINING:
                 # Taken back since it left this name (an operator added it again; with
-                # --state, a router that lists it undid the drain): not this name's to
-                # remove, and no longer followed by it (listed again, it is found again).
+                # --state, a router that lists it undid the drain), whatever its health
+                # since: not this name's to remove, and no longer followed by it (listed
+                # again, it is found again).
                 group.released(address)
                 log.info(
                     "%s: %s node %s (%s) is %s again, though no longer listed: kept",

@@ -106,6 +106,11 @@ class LocalMembership:
     async def discovered(
         self, url: str, role: Role, slots: int, labels: dict[str, str], source: str
     ) -> Node:
+        # A node its name let go of (taken back while its address was gone), listed again:
+        # the name's again, as it is.
+        known = self.fleet.find(role, url)
+        if known is not None:
+            return known
         return self.fleet.add(url, role, slots, labels=labels, source=source, joining=self.probes)
 
     async def gone(self, node: Node) -> None:

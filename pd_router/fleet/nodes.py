@@ -98,6 +98,8 @@ class Node:
     # What a draining node was before its drain: what undoing the drain gives it back (its
     # health is the evidence's, never the drain's).
     drained_from: State | None = None
+    # And its reason then (the evidence behind an unhealthy or dead node's state).
+    drained_reason: str | None = None
     # Request ids bound to this node right now (the fleet keeps this in step).
     bound: set[str] = field(default_factory=set)
     # The operator's own tags (zone, GPU type...): shown, never used to route.

@@ -373,7 +373,7 @@ class Fleet:
         as its engine answers). An operator's drain of a node drained for DNS makes the
         drain the operator's, which the address's return does not undo (``rejoin``)."""
         if node.state in (State.SERVING, State.UNHEALTHY, State.JOINING, State.DEAD):
-            node.drained_from = node.state
+            node.drained_from, node.drained_reason = node.state, node.reason
             node.state = State.DRAINING
             node.reason = reason
             self._changed()
@@ -393,7 +393,8 @@ class Fleet:
             return False
         trusted = node.drained_from in (None, State.SERVING, State.JOINING)
         if joining and trusted and node.hold_until <= self.clock():
-            node.state, node.reason, node.drained_from = State.JOINING, JOINING, None
+            node.state, node.reason = State.JOINING, JOINING
+            node.drained_from = node.drained_reason = None
             node.successes = 0
             self._changed()
         else:
@@ -406,10 +407,11 @@ class Fleet:
         if node.state is not State.DRAINING:
             return
         state = node.drained_from or State.SERVING
+        reason = node.drained_reason if state in (State.UNHEALTHY, State.DEAD) else None
         if state is State.SERVING and node.failures >= self.policy.unhealthy_after:
             state = State.UNHEALTHY
-        node.state, node.drained_from = state, None
-        node.reason = JOINING if state is State.JOINING else None
+        node.state, node.drained_from, node.drained_reason = state, None, None
+        node.reason = JOINING if state is State.JOINING else reason
         self._changed()
 
     def resize(self, node: Node, slots: int) -> None:

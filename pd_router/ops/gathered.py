@@ -48,11 +48,15 @@ class GatheredMetrics:
             await anyio.sleep(SNAPSHOT_EVERY)
 
     def write(self) -> None:
-        """This worker's series, replacing its last file at once (a reader never sees half)."""
+        """This worker's series, replacing its last file at once (a reader never sees half).
+        Nothing when the directory is gone: the workers are ending without their parent."""
         data = orjson.dumps([_dumped(family) for family in self.registry.collect()])
         partial = self._path.with_suffix(".tmp")
-        partial.write_bytes(data)
-        os.replace(partial, self._path)
+        try:
+            partial.write_bytes(data)
+            os.replace(partial, self._path)
+        except FileNotFoundError:
+            pass
 
     def exposition(self) -> bytes:
         return generate_latest(_Gathered(self))

@@ -138,7 +138,7 @@ class SharedFleet:
         # Checked above on what this router last heard: the removal applies only if the
         # fleet's state is still that (another router may have added it again since).
         record = self.records.get(node.id)
-        seen = only_if if force or record is None else record.admin
+        seen = only_if or ("" if force or record is None else record.admin)
         await self._set_admin(node, "removed forced" if force else "removed", seen)
 
     async def in_flight(self) -> dict[str, dict[int, int]]:

@@ -259,6 +259,28 @@ def test_a_gone_node_an_operator_added_again_is_kept_past_the_drain_bound() -> N
         answer(fleet, discovery, B)
         assert a in fleet.pool.nodes and a.state is State.SERVING and handle.errors == []
         assert A not in discovery.groups[0].members
+        # Listed again: the name's again, the same node (before, adding it again raised at
+        # every round, and no name's answers were applied any more).
+        answer(fleet, discovery, A, B)
+        assert discovery.groups[0].members[A].node_id == a.id and a.state is State.SERVING
+        assert [n.url for n in fleet.pool.nodes].count(A) == 1
+
+
+def test_a_gone_node_taken_back_is_kept_whatever_its_health_since() -> None:
+    """Dead (its engine stopped answering) after the operator took it back: still not the
+    name's to remove."""
+    fleet, discovery, clock = setup()
+    (a,) = answer(fleet, discovery, A)
+    fleet.probed(a)
+    a.bound.add("r1")
+    answer(fleet, discovery, B)
+    fleet.add_again(a, 8, {})
+    for _ in range(fleet.policy.unhealthy_after):
+        fleet.failed(a, Failure("connection refused", "refused", Evidence.HARD))
+    assert a.state is State.DEAD
+    clock.now += 31
+    answer(fleet, discovery, B)
+    assert a in fleet.pool.nodes
 
 
 def test_a_stalled_node_whose_address_flaps_is_not_readmitted_by_one_good_probe() -> None:
@@ -288,13 +310,15 @@ def test_a_drained_dead_node_stays_out_when_its_engine_answers_again() -> None:
     fleet.probed(a)
     for _ in range(fleet.policy.unhealthy_after):
         fleet.failed(a, Failure("connection refused", "refused", Evidence.HARD))
-    assert a.state is State.DEAD
+    assert a.state is State.DEAD and a.reason is not None
+    reason = a.reason
     fleet.drain(a)  # the operator's
     for _ in range(fleet.policy.healthy_after + 1):
         fleet.probed(a)
     assert a.state is State.DRAINING and a.id not in fleet.serving_view()
     fleet.undrain(a)
-    assert a.state is State.DEAD  # back as the evidence left it: readmitted by probes
+    # Back as the evidence left it, its reason with it: readmitted by probes.
+    assert (a.state, a.reason) == (State.DEAD, reason)
 
 
 def test_an_operators_drain_of_a_node_gone_from_dns_is_kept_when_the_address_returns() -> None:

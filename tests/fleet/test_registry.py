@@ -349,9 +349,10 @@ def test_undoing_a_drain_gives_the_node_back_its_health() -> None:
     for _ in range(3):
         fleet.failed(d0, Failure("probe timeout", "slow", Evidence.SOFT), probe=True)
     assert d0.state is State.UNHEALTHY
+    reason = d0.reason
     fleet.drain(d0)
     fleet.undrain(d0)
-    assert (d0.state, d0.reason) == (State.UNHEALTHY, None)
+    assert (d0.state, d0.reason) == (State.UNHEALTHY, reason), "its reason back with it"
     for _ in range(2):
         fleet.probed(d0)
     assert d0.state is State.SERVING
