@@ -17,7 +17,7 @@ from pd_router.discovery.loop import apply
 from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
 from pd_router.errors import Evidence, NodeDead, StateUnavailable
 from pd_router.fleet.membership import Conflict
-from pd_router.fleet.nodes import Failure, HealthPolicy, State, make_nodes
+from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State, make_nodes
 from pd_router.fleet.registry import Fleet
 from pd_router.shared.fleet import _VERDICT as VERDICT
 from pd_router.shared.fleet import SharedFleet
@@ -369,27 +369,47 @@ async def counted(asker: SharedFleet, other: SharedFleet, node_id: int, count: i
             await anyio.sleep(0.05)
 
 
+BOTH, ONLY_D0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
+
+
+class Lookups:
+    """Routers each following a name's answers with the discovery loop's rule (``apply``),
+    a node that joins probed good at once."""
+
+    def __init__(self, *routers: SharedFleet) -> None:
+        spec = parse_dns_spec("decode.test:1", "decode")
+        self.of = {r: Discovery([Group(spec)], drain_timeout=60) for r in routers}
+
+    async def look(self, r: SharedFleet, answer: Answer) -> None:
+        for node in await apply(self.of[r].groups[0], answer, r.fleet, self.of[r], r):
+            r.fleet.probed(node)
+
+    async def listed_by_all(self) -> int:
+        """Every router's lookup lists D0 and D2: D2's id, the same on all."""
+        for r in self.of:
+            await self.look(r, BOTH)
+        (d2,) = {ids(r)[D2] for r in self.of}
+        return d2
+
+
+def node_on(r: SharedFleet, node_id: int) -> Node:
+    node = r.fleet.node(node_id)
+    assert node is not None, f"node {node_id} is not on router {r.router_id}"
+    return node
+
+
 async def test_routers_whose_lookups_differ_never_fail_a_request_nor_duplicate_a_node(
     redis_server: RedisServer, redis: Redis
 ) -> None:
     """The discovery loop's rule with --state: a router whose lookup lost an address drains
     it for the fleet and removes it once no router has a request on it; one that still
     lists it registers it again, under its id, after the removal."""
-    spec = parse_dns_spec("decode.test:1", "decode")
-    both, only_d0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
     async with router(redis_server, decode=[]) as a, router(redis_server, decode=[]) as b:
-        found = {r: Discovery([Group(spec)], drain_timeout=60) for r in (a, b)}
-
-        async def look(r: SharedFleet, answer: Answer) -> None:
-            for node in await apply(found[r].groups[0], answer, r.fleet, found[r], r):
-                r.fleet.probed(node)
-
-        await look(a, both)
-        await look(b, both)
+        found = Lookups(a, b)
+        look, both, only_d0 = found.look, BOTH, ONLY_D0
+        d2 = await found.listed_by_all()
         assert ids(a) == ids(b) and len(b.fleet.pool.nodes) == 2
-        d2 = ids(a)[D2]
-        b_d2 = b.fleet.node(d2)
-        assert b_d2 is not None
+        b_d2 = node_on(b, d2)
         request = Request("r1")
         with b.fleet.bind(request, b_d2):
             await counted(a, b, d2, 1)
@@ -414,40 +434,29 @@ async def test_a_drain_another_router_undid_is_not_forced_into_a_removal(
     and, listing it again, undid the drain: the node serves everywhere. b's drain bound
     then runs out: b must not remove it (that would fail a's requests on it), and lets it
     go from its name."""
-    spec = parse_dns_spec("decode.test:1", "decode")
-    both, only_d0 = Answer(frozenset({D0, D2})), Answer(frozenset({D0}))
     async with router(redis_server, decode=[]) as a, router(redis_server, decode=[]) as b:
-        found = {r: Discovery([Group(spec)], drain_timeout=60) for r in (a, b)}
-
-        async def look(r: SharedFleet, answer: Answer) -> None:
-            for node in await apply(found[r].groups[0], answer, r.fleet, found[r], r):
-                r.fleet.probed(node)
-
-        await look(a, both)
-        await look(b, both)
-        d2 = ids(a)[D2]
-        a_d2 = a.fleet.node(d2)
-        assert a_d2 is not None
+        found = Lookups(a, b)
+        look, both, only_d0 = found.look, BOTH, ONLY_D0
+        d2 = await found.listed_by_all()
+        a_d2 = node_on(a, d2)
         request = Request("r1")
         with a.fleet.bind(request, a_d2):
             await counted(b, a, d2, 1)
-            found[b].drain_timeout = 60.0
+            found.of[b].drain_timeout = 60.0
             await look(b, only_d0)  # drained for the fleet, kept under a's request
             await until(lambda: state(a, D2) is State.DRAINING)
             await look(a, only_d0)
             await look(a, both)  # a lists it again: a's return undoes the drain
             await until(lambda: state(b, D2) in (State.JOINING, State.SERVING))
             # Had b not heard yet, Redis refuses its forced removal all the same.
-            b_d2 = b.fleet.node(d2)
-            assert b_d2 is not None
             with pytest.raises(Conflict):
-                await b.retire(b_d2, force=True)
-            found[b].drain_timeout = 0.0  # b's bound runs out at its next sweep
+                await b.retire(node_on(b, d2), force=True)
+            found.of[b].drain_timeout = 0.0  # b's bound runs out at its next sweep
             await look(b, only_d0)
             await look(b, only_d0)
             assert state(b, D2) is not None and state(a, D2) is not None
             assert request.errors == []
-        assert D2 not in found[b].groups[0].members
+        assert D2 not in found.of[b].groups[0].members
 
 
 async def test_bad_values_in_the_fleets_keys_are_logged_and_serving_goes_on(
