@@ -426,7 +426,7 @@ class Upstream:
         now = time.monotonic()
         too_old = now - KEEPALIVE_SECONDS
         oldest = now
-        for idle in self._idle.values():
+        for origin, idle in list(self._idle.items()):
             for conn in list(idle):  # least recently used first
                 if conn.idle_since >= too_old:
                     oldest = min(oldest, conn.idle_since)
@@ -434,7 +434,10 @@ class Upstream:
                 del idle[conn]
                 conn.on_lost = None
                 conn.close()
-        if any(self._idle.values()):
+            if not idle:
+                # Engines come and go (a new address per pod): none is kept for good.
+                del self._idle[origin], self._forget[origin]
+        if self._idle:
             # A little after the next one is due: a timer may run a hair early.
             wait = oldest + KEEPALIVE_SECONDS - now + 0.001
             self._sweep = asyncio.get_running_loop().call_later(wait, self._swept)

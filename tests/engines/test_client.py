@@ -521,6 +521,16 @@ async def test_an_idle_connection_is_closed_after_keepalive_with_no_request_to_f
 
 
 @pytest.mark.usefixtures("short_keepalive")
+async def test_an_engine_whose_idle_connections_were_all_closed_leaves_no_entry() -> None:
+    """Engines come and go (DNS: a new address per pod): the pool keeps nothing of one
+    it has no connection to, where it kept an entry per address ever seen."""
+    async with scripted_engine(serve_ok) as engine, engine_client() as client:
+        await post_ok(client, engine.url + "/v1/completions", "a")
+        await within(engine.connections[0].gone.wait())
+        await until(lambda: client._idle == {} and client._forget == {})
+
+
+@pytest.mark.usefixtures("short_keepalive")
 async def test_connections_idle_since_different_times_are_each_closed_in_their_turn() -> None:
     # One timer closes the idle connections: armed for the oldest, then for the next one.
     async with scripted_engine(serve_ok) as engine, engine_client() as client:
