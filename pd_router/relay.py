@@ -359,9 +359,9 @@ class Relay:
         prompt = None
         if fleet.prefill.reads_prompt or limit > 0:
             prompt = describe(self.body, fleet.kv.ratio)
-        if not handshake.one_sequence(self.body):
-            # Several sequences: their KV cannot be handed over (``one_sequence``), and
-            # the decode engine computes them all, as one engine alone would.
+        if not handshake.hands_over(self.body):
+            # Several sequences, beam search, required tool calls (``hands_over``): the
+            # decode engine computes the request whole, as one engine alone would.
             self._local = True
             prefilled = handshake.Prefilled.local()
         elif prompt is not None and limit > 0 and self._computes_locally(binding.decode, prompt):

@@ -180,10 +180,11 @@ def test_garbage_on_an_event_stream_degrades_it_and_requests_go_on() -> None:
 
 
 def test_a_request_of_several_sequences_is_computed_by_its_decode_engine() -> None:
-    """``n`` samples (or a batch of prompts: ``one_sequence``): vLLM's prefill answers one
+    """``n`` samples (or a batch of prompts: ``hands_over``): vLLM's prefill answers one
     set of ``kv_transfer_params`` for all of them, so handed over, the others would be
     decoded from the wrong blocks and theirs left pinned. The decode engine computes the
-    request whole instead, without ``--max-local-prefill`` too."""
+    request whole instead, without ``--max-local-prefill`` too; and so it does beam search
+    and required tool calls, which a one-token prefill cannot hand over either."""
     with SimFleet(1, 1, prefill_args=ENGINE, decode_args=DECODE) as fleet:
         with RouterProcess(
             urls(fleet.prefill), urls(fleet.decode), "--log-level", "info"
@@ -199,12 +200,22 @@ def test_a_request_of_several_sequences_is_computed_by_its_decode_engine() -> No
             assert samples.choices[0].text == " a b"
             assert chat.choices[0].message.content == " user: hi"
             assert fleet.prefill[0].stats()["requests"] == 0
+            beam = {"use_beam_search": True}
+            client.completions.create(model="sim-model", prompt="a", max_tokens=2, extra_body=beam)
+            client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                tool_choice="required",
+            )
+            assert fleet.prefill[0].stats()["requests"] == 0
             # One sequence, a prompt of token ids in a batch of one, is disaggregated.
             client.completions.create(model="sim-model", prompt=[[5, 6, 7]], max_tokens=2, n=1)
             assert fleet.prefill[0].stats()["requests"] == 1
             router.assert_idle()
             lines = [line for line in router.log().splitlines() if "request_id=" in line]
-        assert [("local_prefill=True" in line) for line in lines] == [True, True, False]
+        assert [("local_prefill=True" in line) for line in lines] == [True] * 4 + [False]
 
 
 def test_a_decode_engine_that_failed_a_request_is_not_predicted_to_hold_its_prompt() -> None:

@@ -23,14 +23,25 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _DECODE_ONLY = ("stream_options", "min_tokens")
 
 
-def one_sequence(body: dict[str, Any]) -> bool:
-    """Whether the request is one sequence, which alone a prefill engine can hand over: vLLM
-    answers a request with one ``kv_transfer_params`` (a batch of prompts, its first
-    prompt's; ``n`` samples, one of them), so the decode engine would decode every other
-    sequence from the wrong blocks, and theirs would stay pinned on the prefill engine.
-    A validated body (``edge/validation.py``): ``n`` is a positive integer if given."""
+def hands_over(body: dict[str, Any]) -> bool:
+    """Whether a prefill engine's one-token answer to the request can be handed over to a
+    decode engine, as vLLM computes it; else the decode engine computes the request whole,
+    as one engine alone would. A validated body (``edge/validation.py``: ``n`` is a positive
+    integer if given). Not handed over:
+
+    * several sequences: vLLM answers a request with one ``kv_transfer_params`` (a batch of
+      prompts, its first prompt's; ``n`` samples, one of them), so the decode engine would
+      decode every other sequence from the wrong blocks, and theirs would stay pinned;
+    * beam search (``use_beam_search``): vLLM builds its parameters without the request's
+      ``kv_transfer_params`` (``to_beam_search_params``), so the prefill answers none, a
+      502 for the client and, three times over, a node taken for dead;
+    * ``tool_choice: "required"``: vLLM parses the answer's text as the list of tool calls
+      (``TypeAdapter(list[FunctionDefinition])`` in its chat serving), and one token of it
+      is no list: a 400 no engine alone would answer."""
     n = body.get("n")
     if n is not None and n > 1:
+        return False
+    if body.get("use_beam_search") or body.get("tool_choice") == "required":
         return False
     prompt = body.get("prompt")
     return not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list))

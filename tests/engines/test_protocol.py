@@ -52,9 +52,11 @@ def test_decode_body_is_the_original_plus_exactly_the_prefill_params() -> None:
     assert drain["kv_transfer_params"] is params
 
 
-def test_only_a_request_of_one_sequence_is_handed_over() -> None:
+def test_only_what_a_prefill_can_hand_over_is_handed_over() -> None:
     """vLLM's prefill answers one ``kv_transfer_params`` per request: a batch of prompts or
-    ``n`` samples cannot be handed over (the relay has the decode engine compute them)."""
+    ``n`` samples cannot be handed over (the relay has the decode engine compute them);
+    neither can beam search (vLLM's prefill answers no ``kv_transfer_params``) nor required
+    tool calls (one token parsed as their list: a 400)."""
     one = [
         {"prompt": "x"},
         {"prompt": ["x"]},
@@ -62,15 +64,19 @@ def test_only_a_request_of_one_sequence_is_handed_over() -> None:
         {"prompt": [[1, 2, 3]]},
         {"prompt": "x", "n": 1},
         {"messages": [{"role": "user", "content": "x"}]},
+        {"prompt": "x", "use_beam_search": False},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "auto"},
     ]
     several = [
         {"prompt": ["x", "y"]},
         {"prompt": [[1, 2], [3]]},
         {"prompt": "x", "n": 2},
         {"messages": [{"role": "user", "content": "x"}], "n": 3},
+        {"prompt": "x", "use_beam_search": True},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
     ]
-    assert [handshake.one_sequence(body) for body in one] == [True] * len(one)
-    assert [handshake.one_sequence(body) for body in several] == [False] * len(several)
+    assert [handshake.hands_over(body) for body in one] == [True] * len(one)
+    assert [handshake.hands_over(body) for body in several] == [False] * len(several)
 
 
 def test_prefill_answer_without_kv_params_is_refused() -> None:
