@@ -378,12 +378,14 @@ class Relay:
         handed = await self._decode(binding, prefilled)
         if handed is None or self.client_gone:
             return
+        answer, first = handed
+        node = binding.decode
+        if 400 <= answer.status < 500 and not prefilled.is_local:
+            await self._drain(node, prefilled)
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
         prefilled.kv_transfer_params = {}
-        answer, first = handed
-        node = binding.decode
         try:
             if answer.status != 200:
                 raise await answer.error()
@@ -404,6 +406,22 @@ class Relay:
                 fleet.kv.placed(node.id, node.role, node.url, prompt)
         self.router.fleet.served(node)
         self.outcome = "ok"
+
+    async def _drain(self, node: Node, prefilled: handshake.Prefilled) -> None:
+        """The decode engine refused what the prefill engine computed (a ``max_tokens`` over
+        its context: the prefill asked for one token): a drain has it pull, and so free,
+        the blocks pinned for it, as for a client that left, instead of their staying
+        pinned until the prefill engine's lease on them ends (vLLM: 480 s), which any
+        client could use to fill a prefill engine's cache. Best effort, within the hand-off
+        grace: the client's answer is the refusal, whatever the drain gives."""
+        body = handshake.drain_body(self.body, prefilled.kv_transfer_params)
+        with anyio.move_on_after(self.router.settings.handoff_grace):
+            with contextlib.suppress(UpstreamError):
+                drained = await self.router.upstream.post(
+                    node.url + self.path, body, self.request_id, self.via, b""
+                )
+                self._open.append(drained)
+                await drained.read()
 
     def _computes_locally(self, node: Node, prompt: Prompt) -> bool:
         """Whether the decode node computes the prompt itself: what it does not hold is

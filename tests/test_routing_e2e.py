@@ -218,6 +218,29 @@ def test_a_request_of_several_sequences_is_computed_by_its_decode_engine() -> No
         assert [("local_prefill=True" in line) for line in lines] == [True] * 4 + [False]
 
 
+def test_a_request_the_decode_engine_refuses_leaves_no_kv_pinned_on_the_prefill_engine() -> None:
+    """``max_tokens`` over the decode engine's context: the prefill (one token) passed, the
+    decode engine answers 400. The client gets that 400, and the blocks the prefill pinned
+    for the hand-off are pulled (a drain) rather than held until the engine's lease ends:
+    any client could have filled a prefill engine's cache that way."""
+    decode = [*DECODE, "--max-model-len", "64"]
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=decode) as fleet:
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode)) as router:
+            client = client_for(router)
+            for stream in (False, True):
+                try:
+                    client.completions.create(
+                        model="sim-model", prompt="a b c d e f", max_tokens=100, stream=stream
+                    )
+                except openai.BadRequestError as refused:
+                    assert "max_model_len" in refused.message
+                else:
+                    raise AssertionError("the decode engine's 400 was not passed on")
+            router.assert_idle()
+            stats = fleet.prefill[0].stats()
+            assert (stats["requests"], stats["transfers"], stats["blocks_pinned"]) == (2, 2, 0)
+
+
 def test_a_decode_engine_that_failed_a_request_is_not_predicted_to_hold_its_prompt() -> None:
     """Only a decode engine that answered 200 holds what it was sent: one that failed the
     request is not credited with the prompt, so the next turn is not computed there as if
