@@ -67,11 +67,19 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         )
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is None or (value == 0 and key == "max_tokens" and _echoes(endpoint, body)):
+            continue
+        if not _is_int(value) or value < 1:
             raise BadRequest(f"'{key}' must be a positive integer, got {_got(value)}", param=key)
     # Never let a client steer a decode engine to an arbitrary host.
     body.pop("kv_transfer_params", None)
     return body
+
+
+def _echoes(endpoint: Endpoint, body: dict[str, Any]) -> bool:
+    """A completion that echoes its prompt: with ``max_tokens`` 0, vLLM answers the prompt
+    alone (with ``logprobs``, its tokens' log-probabilities: scoring a text)."""
+    return endpoint == "completions" and body.get("echo") is True
 
 
 def _is_int(value: Any) -> bool:

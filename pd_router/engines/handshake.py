@@ -37,11 +37,18 @@ def hands_over(body: dict[str, Any]) -> bool:
       502 for the client and, three times over, a node taken for dead;
     * ``tool_choice: "required"``: vLLM parses the answer's text as the list of tool calls
       (``TypeAdapter(list[FunctionDefinition])`` in its chat serving), and one token of it
-      is no list: a 400 no engine alone would answer."""
+      is no list: a 400 no engine alone would answer;
+    * what asks for the prompt's own log-probabilities (``prompt_logprobs``, or ``echo``
+      with ``logprobs`` or with ``max_tokens`` 0): they come from computing the prompt,
+      which a decode engine that pulls its KV does not do."""
     n = body.get("n")
     if n is not None and n > 1:
         return False
     if body.get("use_beam_search") or body.get("tool_choice") == "required":
+        return False
+    if body.get("prompt_logprobs") is not None or (
+        body.get("echo") and (body.get("logprobs") is not None or body.get("max_tokens") == 0)
+    ):
         return False
     prompt = body.get("prompt")
     return not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list))

@@ -65,6 +65,8 @@ def test_only_what_a_prefill_can_hand_over_is_handed_over() -> None:
         {"prompt": "x", "n": 1},
         {"messages": [{"role": "user", "content": "x"}]},
         {"prompt": "x", "use_beam_search": False},
+        {"prompt": "x", "echo": True, "max_tokens": 4},
+        {"prompt": "x", "logprobs": 1},
         {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "auto"},
     ]
     several = [
@@ -74,6 +76,9 @@ def test_only_what_a_prefill_can_hand_over_is_handed_over() -> None:
         {"messages": [{"role": "user", "content": "x"}], "n": 3},
         {"prompt": "x", "use_beam_search": True},
         {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
+        {"prompt": "x", "echo": True, "max_tokens": 0},
+        {"prompt": "x", "echo": True, "logprobs": 1},
+        {"prompt": "x", "prompt_logprobs": 1},
     ]
     assert [handshake.hands_over(body) for body in one] == [True] * len(one)
     assert [handshake.hands_over(body) for body in several] == [False] * len(several)
