@@ -452,11 +452,12 @@ def refuse_own_address(
 class _Server(uvicorn.Server):
     """uvicorn, telling the router about SIGTERM/SIGINT as it stops accepting."""
 
-    def __init__(self, config: uvicorn.Config, router: Router) -> None:
+    def __init__(self, config: uvicorn.Config, router: Router, handshake_timeout: float) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None  # the main loop's, between ticks
         super().__init__(config)
         self._router = router
+        self._handshake_timeout = handshake_timeout
 
     # uvicorn's main loop wakes every 0.1 s to see whether it should exit, and renews the
     # Date header every tenth wake. This one wakes once a second for the header (with the
@@ -491,7 +492,24 @@ class _Server(uvicorn.Server):
                 self._waiter = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        if self.config.is_ssl:
+            # A client connection exists for the router (its --header-timeout, the connection
+            # limits: edge/protocol.py) once its TLS handshake is done; until then only the
+            # loop's handshake timeout bounds it, 60 s by default, which uvicorn passes no
+            # other of: connections that never finish a handshake held the file
+            # descriptors every other client needed. The loop's create_server, which
+            # uvicorn calls, is given --header-timeout for it.
+            loop = asyncio.get_running_loop()
+            create_server = loop.create_server
+            loop.create_server = partial(  # type: ignore[method-assign]
+                create_server, ssl_handshake_timeout=self._handshake_timeout
+            )
+            try:
+                await super().startup(sockets)
+            finally:
+                del loop.create_server
+        else:
+            await super().startup(sockets)
         # uvicorn names the address only of sockets it bound itself; this line is also the
         # one that tells which port --port 0 got.
         scheme = "https" if self.config.is_ssl else "http"
@@ -630,7 +648,7 @@ def _serve(
         ssl_keyfile=args.ssl_keyfile,
     )
     _settle_heap()
-    _Server(config, router).run(sockets=[sock])
+    _Server(config, router, args.header_timeout).run(sockets=[sock])
 
 
 def _settle_heap() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,26 @@ def test_the_router_serves_https_to_the_openai_sdk(fleet: SimFleet, pki: Pki) ->
         router.assert_idle()
         # Over TLS there is no half-close to send: nothing may have failed trying.
         assert "Traceback" not in router.log(), router.log()
+
+
+def test_a_tls_handshake_that_never_ends_is_closed_after_the_header_timeout(
+    fleet: SimFleet, pki: Pki
+) -> None:
+    """A connection exists for the router's client limits once its handshake is done: one
+    that never sends its ClientHello was held 60 s (the loop's default), past
+    --header-timeout, however many there were."""
+    args = ["--header-timeout", "1"]
+    with TlsRouter(
+        pki, [e.url for e in fleet.prefill], [e.url for e in fleet.decode], *args
+    ) as router:
+        with socket.create_connection(("127.0.0.1", router.port), timeout=20) as silent:
+            started = time.monotonic()
+            try:
+                assert silent.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < 15, "held past the header timeout"
+        assert sdk(router, pki).models.list().data
 
 
 def test_https_with_workers(fleet: SimFleet, pki: Pki, redis_server: RedisServer) -> None:

@@ -12,7 +12,9 @@ from pd_router.errors import BadRequest
 def test_max_tokens_0_is_taken_only_for_a_completion_that_echoes_its_prompt() -> None:
     """vLLM answers ``echo`` with ``max_tokens`` 0 with the prompt alone (scoring a text
     with ``logprobs``); anywhere else 0 tokens is no request."""
-    echo = parse_body(b'{"model": "m", "prompt": "x", "max_tokens": 0, "echo": true}', "completions")
+    echo = parse_body(
+        b'{"model": "m", "prompt": "x", "max_tokens": 0, "echo": true}', "completions"
+    )
     assert echo["max_tokens"] == 0
     refused = [
         (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "completions"),
