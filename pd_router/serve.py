@@ -45,7 +45,7 @@ from pd_router.edge.protocol import (
     default_max_connections,
     protocol,
 )
-from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls
+from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls, no_pass_phrase
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import MAX_SLOTS, HealthPolicy, Node, make_nodes
@@ -428,9 +428,10 @@ def _check_serving_tls(certfile: str | None, keyfile: str | None) -> None:
         if keyfile is not None:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
         return
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
-    except (OSError, ssl.SSLError) as exc:
+        context.load_cert_chain(certfile, keyfile, password=no_pass_phrase)
+    except (OSError, ssl.SSLError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"--ssl-certfile {certfile}: {reason}") from None
 

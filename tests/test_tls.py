@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import socket
 import ssl
+import subprocess  # nosec B404
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ import httpx
 import openai
 import pytest
 import trustme
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from tests.helpers import RouterProcess, assert_sdk_served, flush_state, wait_for
@@ -121,6 +125,34 @@ def test_a_tls_handshake_that_never_ends_is_closed_after_the_header_timeout(
                 pass
             assert time.monotonic() - started < 15, "held past the header timeout"
         assert sdk(router, pki).models.list().data
+
+
+def test_an_encrypted_private_key_is_refused_at_start_naming_why(pki: Pki, tmp_path: Path) -> None:
+    """OpenSSL would ask for its pass phrase on the terminal and wait there (or, with none,
+    fail with "Invalid argument")."""
+    key = load_pem_private_key(pki.client_key.read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pass phrase"),
+        )
+    )
+    for flags in (
+        ["--ssl-certfile", str(pki.client_cert), "--ssl-keyfile", str(encrypted)],
+        ["--engine-cert", str(pki.client_cert), "--engine-key", str(encrypted)],
+    ):
+        done = subprocess.run(  # nosec B603
+            [sys.executable, "-m", "pd_router", "--prefill", "http://p:1", "--decode", "http://d:1"]
+            + flags,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "the private key is encrypted" in done.stderr.splitlines()[-1]
 
 
 def test_https_with_workers(fleet: SimFleet, pki: Pki, redis_server: RedisServer) -> None:

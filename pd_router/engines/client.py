@@ -228,6 +228,12 @@ def _message(url: str, status: int, raw: bytes) -> str:
     return f"HTTP {status}"
 
 
+def no_pass_phrase() -> bytes:
+    """``load_cert_chain``'s ``password`` for an encrypted private key: refused, where
+    OpenSSL would otherwise ask for its pass phrase on the terminal, and wait."""
+    raise ValueError("the private key is encrypted: give it unencrypted (no pass phrase)")
+
+
 def engine_tls(
     ca: str | None = None, cert: str | None = None, key: str | None = None
 ) -> ssl.SSLContext:
@@ -241,10 +247,11 @@ def engine_tls(
         raise ValueError(f"--engine-ca {ca}: {_describe(exc)}") from None
     if cert is not None:
         try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
+            context.load_cert_chain(cert, key, password=no_pass_phrase)
+        except (OSError, ssl.SSLError, ValueError) as exc:
             where = cert if key is None else f"{cert} / --engine-key {key}"
-            raise ValueError(f"--engine-cert {where}: {_describe(exc)}") from None
+            reason = str(exc) if isinstance(exc, ValueError) else _describe(exc)
+            raise ValueError(f"--engine-cert {where}: {reason}") from None
     elif key is not None:
         raise ValueError("--engine-key needs --engine-cert (the certificate it goes with)")
     return context
