@@ -101,6 +101,11 @@ def test_a_wrong_engine_key_is_the_engines_401_and_kills_no_node(fleet: SimFleet
         assert {n["consecutive_failures"] for n in nodes} == {0}
         router.assert_idle()
         assert WRONG_KEY not in router.log() and WRONG_KEY not in admin_nodes(router).text
+        # vLLM asks no key for /health: the refused model reads say what is wrong, once
+        # per engine (before, only at DEBUG, and /v1/models answered "not read yet").
+        for engine in fleet.engines:
+            warning = f"{engine.url}/v1/models: the engine refuses the router's credentials"
+            assert router.log().count(warning) == 1, router.log()
 
 
 def test_a_probe_refused_for_credentials_is_no_verdict_on_the_node(fleet: SimFleet) -> None:

@@ -357,11 +357,12 @@ class Upstream:
         return Failure("probe status", f"health check answered {response.status}", Evidence.SOFT)
 
     def _refused(self, url: str, message: str) -> None:
-        """A probe refused for the router's credentials (401 or 403: vLLM asks none for
-        /health, a proxy in front may) was answered by a server that is up: the engine's
-        health is not in question, ``--engine-api-key`` is. It counts as answered (so the
-        requests fail with that engine's own clear 401 rather than "no live node"), and is
-        said once, until the node answers 200 again."""
+        """A probe or a model read refused for the router's credentials (401 or 403: vLLM
+        asks none for /health, a proxy in front may; it does for /v1/models) was answered
+        by a server that is up: the engine's health is not in question, ``--engine-api-key``
+        is. A probe so refused counts as answered (so the requests fail with that engine's
+        own clear 401 rather than "no live node"). Said once per URL, until it answers 200
+        again."""
         if url not in self._refusing:
             self._refusing.add(url)
             log.warning(
@@ -374,8 +375,12 @@ class Upstream:
     async def get_json(self, url: str, via: bytes = b"") -> Any:
         """GET ``url``'s JSON; ``via`` as for ``post`` (by default, this router's mark)."""
         with await self._request(url, b"GET", headers=_via(via or self.mark)) as response:
+            if response.status in REFUSED:
+                # vLLM asks for the key on /v1/models, not /health: this says it first.
+                self._refused(url, f"{url}: answered HTTP {response.status}")
             if response.status != 200:
                 raise await response.error()
+            self._refusing.discard(url)
             raw = await response.read()
         try:
             return orjson.loads(raw)
