@@ -608,6 +608,7 @@ class SharedPool(DecodePool):
     # ------------------------------------------------------------------ background work
 
     async def _renew_forever(self) -> None:
+        first = True
         while True:
             try:
                 await self._renew()
@@ -615,9 +616,12 @@ class SharedPool(DecodePool):
                     log.info("shared state available (router %s)", self.router_id)
                 self.available = True
             except Unavailable as exc:
-                if self.available:
+                # Said when it starts, and at the first try: a Redis never reached (a wrong
+                # URL, a certificate not trusted) is no less an error than one lost.
+                if self.available or first:
                     log.error("shared state unavailable: %s", exc)
                 self.available = False
+            first = False
             await anyio.sleep(self.lease / 3)
 
     async def _listen_forever(self) -> None:

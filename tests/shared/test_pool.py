@@ -131,6 +131,26 @@ async def waiting(redis: Redis, *urls: str) -> AsyncIterator[Waiters]:
         await until_used(redis, 0, url=url)
 
 
+async def test_a_redis_never_reached_is_said_at_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Not only a Redis lost once reached: one never reached (a wrong URL, a certificate not
+    trusted) left only INFO lines, and a router at --log-level warning said nothing while
+    every request got a 503."""
+    caplog.set_level(logging.ERROR)
+    pool = SharedPool(make_nodes([URL], 1), Redis(parse_url("redis://127.0.0.1:9"), timeout=0.5))
+    async with anyio.create_task_group() as tg:
+        for _, work in pool.background():
+            tg.start_soon(work)
+        await until(
+            lambda: any(
+                r.levelno == logging.ERROR and "shared state unavailable" in r.getMessage()
+                for r in caplog.records
+            )
+        )
+        assert not pool.available
+        tg.cancel_scope.cancel()
+    await pool.redis.aclose()
+
+
 async def test_a_node_never_holds_more_than_its_slots_across_routers(
     redis_server: RedisServer, redis: Redis
 ) -> None:
