@@ -453,7 +453,11 @@ def refuse_own_address(
 class _Server(uvicorn.Server):
     """uvicorn, telling the router about SIGTERM/SIGINT as it stops accepting."""
 
-    def __init__(self, config: uvicorn.Config, router: Router, handshake_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, router: Router, handshake_timeout: float | None = None
+    ) -> None:
+        """``handshake_timeout``: seconds a client's TLS handshake may take (None: the
+        loop's default, 60 s)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None  # the main loop's, between ticks
         super().__init__(config)
@@ -493,7 +497,7 @@ class _Server(uvicorn.Server):
                 self._waiter = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if self.config.is_ssl:
+        if self.config.is_ssl and self._handshake_timeout is not None:
             # A client connection exists for the router (its --header-timeout, the connection
             # limits: edge/protocol.py) once its TLS handshake is done; until then only the
             # loop's handshake timeout bounds it, 60 s by default, which uvicorn passes no
