@@ -186,17 +186,17 @@ class DroppingProxy:
     as a proxy or a server that is not Redis might.
     A connection that forwards a command holding ``holding`` (bytes) forwards nothing back
     from then on and stays open, as a link the network stopped answering on, until
-    ``let_go``. While ``delaying`` (seconds), what a client sends is forwarded that much
-    later (``delayed`` counts it; ``forwarded_late`` once it went), even after the client
-    gave up and closed: a command that reaches Redis late. New connections go to ``port``
-    as it is then: set it, and clients fail over as they would behind Sentinel or a DNS
-    name."""
+    ``let_go``. While ``delaying`` (an event), what a client sends is forwarded only once
+    that event is set (``delayed`` counts it; ``forwarded_late`` once it went), even after
+    the client gave up and closed: a command that reaches Redis late, when the test says.
+    New connections go to ``port`` as it is then: set it, and clients fail over as they
+    would behind Sentinel or a DNS name."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.dropping = False
         self.dropped = 0
-        self.delaying = 0.0
+        self.delaying: anyio.Event | None = None
         self.delayed = 0
         self.forwarded_late = 0
         self.lying: bytes | None = None
@@ -226,10 +226,11 @@ class DroppingProxy:
                         async for data in client:
                             if self.holding is not None and self.holding in data:
                                 stuck = True
-                            if self.delaying:
+                            if self.delaying is not None:
+                                until = self.delaying
                                 self.delayed += 1
                                 with anyio.CancelScope(shield=True):
-                                    await anyio.sleep(self.delaying)
+                                    await until.wait()
                                     await upstream.send(data)
                                 self.forwarded_late += 1
                                 continue
