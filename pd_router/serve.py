@@ -653,7 +653,9 @@ def _serve(
         ssl_keyfile=args.ssl_keyfile,
     )
     _settle_heap()
-    _Server(config, router, args.header_timeout).run(sockets=[sock])
+    # --header-timeout 0 is no limit: the loop's own handshake timeout then (it takes no 0).
+    handshake = args.header_timeout or None
+    _Server(config, router, handshake).run(sockets=[sock])
 
 
 def _settle_heap() -> None:
