@@ -33,6 +33,7 @@ from pd_router.fleet.nodes import (
     KV_EVENTS,
     Role,
     check_labels,
+    checked_slots,
     normalise_url,
     parse_port,
     parse_slots,
@@ -110,8 +111,8 @@ def dns_spec(
     """A spec from its parts (a config file's table), checked as ``parse_dns_spec`` does."""
     text = name if port is None else f"{name}:{port}"
     target = _target(text, text)
-    if slots is not None and slots < 1:
-        raise ValueError(f"{text!r}: slots must be at least 1")
+    if slots is not None:
+        checked_slots(slots, text)
     return DnsSpec(role, *target, slots, check_labels(labels or {}))
 
 

@@ -266,7 +266,11 @@ def parse_slots(value: str, spec: str) -> int:
     """The ``N`` of a ``slots=N`` option of ``spec``."""
     if not (value.isascii() and value.isdigit()):
         raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}")
-    slots = int(value)
+    return checked_slots(int(value), spec)
+
+
+def checked_slots(slots: int, spec: str) -> int:
+    """``slots`` of ``spec``, if in range (1 to ``MAX_SLOTS``), wherever it was given."""
     if slots < 1:
         raise ValueError(f"{spec!r}: slots must be at least 1")
     if slots > MAX_SLOTS:

@@ -106,6 +106,9 @@ def test_a_spec_from_a_table_is_checked_the_same_way() -> None:
     )
     with pytest.raises(ValueError, match="port is missing"):
         dns_spec("decode", "d", None)
+    # A config file's slots are bounded as a flag's are (they were not).
+    with pytest.raises(ValueError, match="slots must be at most 1000000"):
+        dns_spec("decode", "d", 8200, 2_000_000)
 
 
 # Reconciliation
