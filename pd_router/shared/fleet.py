@@ -19,6 +19,11 @@
 * Probing. One router probes the engines for the fleet (``{pdr}:prober``, a lease renewed
   every third of ``LEASE``); the others take its verdicts. While Redis is away each router
   probes for itself.
+* Removed nodes. A removed node's record is dropped ``kept`` seconds after a router first
+  saw it removed (``scripts.PRUNE``, run by every router at each reconciliation): its id
+  and its removal stay, read by id only. A router still running requests on it carries
+  its record until they end; one that missed the removal (away longer than that) puts the
+  node back as ``NODES`` has it: removed.
 * Requests in flight per node are written every second they change (and every third of
   the lease) under a key that expires with the router's lease: ``in_flight`` reads every
   live router's.
@@ -52,6 +57,12 @@ log = logging.getLogger("pd_router.shared_fleet")
 RECONCILE = 5.0
 # Seconds between looks at this router's requests per node (written only when changed).
 IN_FLIGHT_EVERY = 1.0
+# Seconds a removed node's record is kept: far longer than any router takes to apply the
+# removal (at the latest, its next reconciliation).
+REMOVED_KEPT = 600.0
+# Removed nodes a reconciliation looks at: ~3 ms of Redis's time (which no router's
+# request gets meanwhile); one that has more works through them round by round.
+PRUNE_BATCH = 500
 
 
 def _per_router(reply: Any) -> bool:
@@ -69,6 +80,7 @@ _ADMIN = Script(scripts.ADMIN, flag)
 _DNS_ADMIN = Script(scripts.DNS_ADMIN, flag)
 _VERDICT = Script(scripts.VERDICT, flag)
 _SNAPSHOT = Script(scripts.SNAPSHOT, listed(4))
+_PRUNE = Script(scripts.PRUNE, lambda reply: type(reply) is int)
 _PUT_IN_FLIGHT = Script(scripts.PUT_IN_FLIGHT, flag)
 _IN_FLIGHT = Script(scripts.IN_FLIGHT, _per_router)
 _PROBER = Script(scripts.PROBER, flag)
@@ -77,10 +89,13 @@ _PROBING = {True: "probes the engines for the fleet", False: "leaves probing to 
 
 
 class SharedFleet:
-    def __init__(self, fleet: Fleet, pool: SharedPool, probes: bool = True) -> None:
+    def __init__(
+        self, fleet: Fleet, pool: SharedPool, probes: bool = True, kept: float = REMOVED_KEPT
+    ) -> None:
         """``probes``: this router probes the engines (``--health-interval`` > 0), so it
-        may be the fleet's prober."""
+        may be the fleet's prober; ``kept``: seconds a removed node's record is kept."""
         self.fleet = fleet
+        self.kept = kept
         self.pool = pool
         self.redis = pool.redis
         self.router_id = pool.router_id
@@ -210,22 +225,31 @@ class SharedFleet:
         self._flagged, self._configured = self._configured, None
 
     async def _put_back(self, missing: list[Record]) -> None:
-        """Redis lost these nodes (it restarted empty): write them back, under their ids
-        where nobody took them meanwhile (``apply`` follows any that changed)."""
+        """Redis lost these nodes (it restarted empty), or dropped them removed: written
+        back, under their ids where nobody took them meanwhile (``apply`` follows any that
+        changed), or as the removal they were (``scripts.NODES``)."""
         args: list[str] = []
         for r in missing:
             args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
         await self._nodes(["adopt", self.router_id, *args])
-        log.warning("the shared state had lost %d nodes of the fleet: put back", len(missing))
 
     async def _sync(self) -> None:
         """Read the fleet and make the local one match (the lock held)."""
         records, verdicts = await self._read()
-        known = {(r.role, r.url) for r in records.values()}
-        missing = [r for r in self.records.values() if (r.role, r.url) not in known]
-        if missing:
-            await self._put_back(missing)
+        if lost := [r for r in _missing(self.records, records) if r.admin != "removed"]:
+            await self._put_back(lost)
             records, verdicts = await self._read()
+            gone = {(r.role, r.url) for r in records.values() if r.admin == "removed"}
+            if back := [r for r in lost if (r.role, r.url) not in gone]:
+                log.warning("the shared state had lost %d nodes of the fleet: put back", len(back))
+            if len(back) < len(lost):
+                log.info(
+                    "%d nodes were removed while this router heard nothing", len(lost) - len(back)
+                )
+        # Removed and pruned: carried while requests here still run on the node.
+        for r in _missing(self.records, records):
+            if self.fleet.find(r.role, r.url) is not None:
+                records.setdefault(r.id, r)
         before, self.records = self.records, records
         apply(self.fleet, records, verdicts, self._unsent, self.probes, before)
         flagged, self._flagged = self._flagged, []
@@ -330,8 +354,14 @@ class SharedFleet:
             await anyio.sleep(RECONCILE)
             try:
                 await self._reload()
+                await self.prune()
             except StateUnavailable:
                 pass  # the pool says so; the next round tries again
+
+    async def prune(self) -> int:
+        """Removed nodes' records kept long enough dropped (``scripts.PRUNE``): how many."""
+        dropped: int = await self._run(_PRUNE, [str(int(self.kept * 1000)), str(PRUNE_BATCH)])
+        return dropped
 
     async def _reload(self) -> None:
         async with self._locked():
@@ -399,6 +429,12 @@ class SharedFleet:
             # Logged, never shown: an admin's answer carries no script's error text.
             log.error("shared fleet: redis %s answered: %s", self.redis.settings.address, error)
             raise answered(self.redis, error) from None
+
+
+def _missing(before: dict[int, Record], now: dict[int, Record]) -> list[Record]:
+    """The records of ``before`` whose node (role and URL) ``now`` lacks."""
+    known = {(r.role, r.url) for r in now.values()}
+    return [r for r in before.values() if (r.role, r.url) not in known]
 
 
 def _counts(pairs: list[bytes]) -> dict[int, int]:

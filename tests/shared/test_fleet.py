@@ -20,7 +20,7 @@ from pd_router.fleet.membership import Conflict
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State, make_nodes
 from pd_router.fleet.registry import Fleet
 from pd_router.shared.fleet import _VERDICT as VERDICT
-from pd_router.shared.fleet import SharedFleet
+from pd_router.shared.fleet import REMOVED_KEPT, SharedFleet
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, Script, parse_url
 from tests.fleet.test_registry import Request
@@ -40,6 +40,7 @@ async def router(
     lease: float = 10.0,
     slots: int = 2,
     url: str | None = None,
+    kept: float = REMOVED_KEPT,
 ) -> AsyncIterator[SharedFleet]:
     """One router's fleet with its shared pool and shared fleet, background work running,
     on ``server`` (through ``url``, if given)."""
@@ -52,7 +53,7 @@ async def router(
         pool=lambda nodes: SharedPool(nodes, client, lease),
     )
     assert isinstance(fleet.pool, SharedPool)
-    shared = SharedFleet(fleet, fleet.pool)
+    shared = SharedFleet(fleet, fleet.pool, kept=kept)
     async with anyio.create_task_group() as tg:
         for _, work in [*fleet.pool.background(), *shared.background()]:
             tg.start_soon(work)
@@ -232,6 +233,101 @@ async def test_every_routers_requests_per_node_are_seen_by_each(
             await a.remove(node, True)
             await until(lambda: b.fleet.node(1) is None, 1.0)
         assert [len(x.errors), len(y.errors)] == [1, 1], "forced: each failed, once"
+
+
+async def fields(redis: Redis, key: str) -> list[bytes]:
+    return sorted((await redis.call("HGETALL", "{pdr}:" + key))[::2])
+
+
+async def test_a_removed_nodes_record_is_dropped_after_a_while_and_its_removal_stands(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Every pod a rollout replaces leaves a removed node behind; its record goes once
+    kept long enough (reloads read only the fleet that is), and the removal still holds for
+    a router restarted with the URL in its flags; an add brings it back under its id."""
+    await redis.call("FLUSHALL")
+    async with router(redis_server, decode=[D0, D1], kept=0.0) as a, router(redis_server) as b:
+        a_d1 = node_on(a, 2)
+        await a.drain(a_d1)
+        await a.remove(a_d1, False)
+        await redis.call("HSET", "{pdr}:health", "2", b'{"state": "dead"}')
+        await until(lambda: state(b, D1) is None, 1.0)
+        assert await a.prune() == 0, "timed from the first sighting"
+        assert await a.prune() == 1
+        assert await fields(redis, "nodes") == [b"0", b"1"]
+        for key in ("admin", "removed-at", "health"):
+            assert b"2" not in await fields(redis, key), key
+        assert D1.encode() not in await fields(redis, "slots") + await fields(redis, "used")
+        assert await redis.call("HGET", "{pdr}:node-ids", "decode " + D1) == b"2"
+        await b._reload()
+        await a._reload()
+        assert 2 not in a.records and 2 not in b.records and state(b, D1) is None
+        async with router(redis_server, decode=[D0, D1]) as c:
+            assert state(c, D1) is None, "a router with it in its flags: still removed"
+            assert ids(c) == {P0: 0, D0: 1}
+            back = await c.add(D1, "decode", 2, {})
+            assert back.id == 2 and back.state is State.JOINING
+            await until(lambda: state(a, D1) is State.JOINING and state(b, D1) is not None)
+        assert await fields(redis, "pruned") == []
+
+
+async def test_a_router_that_missed_a_removal_follows_it_after_the_record_was_dropped(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """b hears nothing while the node is removed and its record dropped: its next reload
+    finds the removal all the same, and fails no request; one still running on the node
+    (started after the removal's count) ends first, on the node drained."""
+    async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
+        b_d1 = node_on(b, 2)
+        heard = anyio.Event()
+        b_reload = b._reload
+
+        async def late() -> None:
+            await heard.wait()
+            await b_reload()
+
+        b._reload = late  # type: ignore[method-assign]
+        request = Request("r1")
+        with b.fleet.bind(request, b_d1):
+            a_d1 = node_on(a, 2)
+            await a.drain(a_d1)
+            await a.remove(a_d1, True)
+            await a.prune()
+            assert await a.prune() == 1
+            assert state(b, D1) is State.SERVING, "b heard nothing"
+            heard.set()
+            await b._reload()
+            assert [type(e) for e in request.errors] == [NodeDead], "forced: failed once"
+            assert state(b, D1) is None
+        # The record, back as the removal it was, goes again.
+        await a.prune()
+        assert await a.prune() == 1
+
+    async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
+        await a.add(D1, "decode", 2, {})
+        await until(lambda: state(b, D1) is not None, 1.0)
+        b_d1, a_d1 = node_on(b, 2), node_on(a, 2)
+        request = Request("r2")
+        with b.fleet.bind(request, b_d1):
+            await a.drain(a_d1)
+            a.in_flight = noop_counts  # type: ignore[method-assign]  # b's count not in yet
+            await a.remove(a_d1, False)
+            await until(lambda: 2 not in ids(a).values(), 1.0)
+            await b._reload()
+            assert state(b, D1) is State.DRAINING, "kept under the request it runs"
+            await a.prune()
+            assert await a.prune() == 1
+            await b._reload()
+            assert state(b, D1) is State.DRAINING, "carried, the record dropped"
+        assert request.errors == []
+        await b._reload()
+        assert state(b, D1) is None
+        await b._reload()
+        assert 2 not in b.records, "carried no more"
+
+
+async def noop_counts() -> dict[str, dict[int, int]]:
+    return {}
 
 
 async def test_a_redis_that_lost_the_fleet_gets_it_back(
