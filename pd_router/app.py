@@ -215,7 +215,10 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     async def models(request: Request) -> Response:
         # From what the model watch read: a caller costs the engines nothing.
         serving = set(fleet.serving_view())
-        listed = model_listing(node for node in fleet.nodes if node.id in serving)
+        listed = model_listing(
+            [node for node in fleet.prefill.nodes if node.id in serving],
+            [node for node in fleet.pool.nodes if node.id in serving],
+        )
         if listed is None:
             message = "no serving engine's model list has been read yet"
             return error_response(ModelsUnknown(message))

@@ -76,17 +76,19 @@ def small_card(card: Card) -> Card:
     return kept
 
 
-def listing(nodes: Iterable[Node]) -> list[Card] | None:
-    """What ``GET /v1/models`` lists for ``nodes``: each model of the lists read, once (the
-    first node's object); None when no node's list has been read yet."""
+def listing(prefill: Sequence[Node], decode: Sequence[Node]) -> list[Card] | None:
+    """What ``GET /v1/models`` lists for these nodes: each model of the lists read, once (the
+    first node's object), that a request may ask for (``check``: a model one role alone
+    serves would be listed, then answered 404); None when no node's list has been read."""
     seen: dict[str, Card] = {}
     known = False
-    for node in nodes:
+    for node in (*prefill, *decode):
         if node.cards is not None:
             known = True
             for name, card in node.cards.items():
                 seen.setdefault(name, card)
-    return list(seen.values()) if known else None
+    sides = offer(prefill, decode)
+    return [card for name, card in seen.items() if serves(name, sides)] if known else None
 
 
 def offered(nodes: Iterable[Node]) -> frozenset[str] | None:
@@ -110,9 +112,14 @@ def offer(prefill: Sequence[Node], decode: Sequence[Node]) -> Offer:
     return tuple(offered(nodes) for nodes in (prefill, decode) if nodes)
 
 
+def serves(model: str, sides: Offer) -> bool:
+    """Every role of ``sides`` may serve ``model``."""
+    return all(side is None or model in side for side in sides)
+
+
 def check(model: str, sides: Offer) -> None:
     """Raise ``ModelNotFound`` unless every role of ``sides`` may serve ``model``."""
-    if all(side is None or model in side for side in sides):
+    if serves(model, sides):
         return
     known = [side for side in sides if side is not None]
     served = sorted(frozenset.intersection(*known))

@@ -47,19 +47,32 @@ def test_an_id_that_could_forge_a_log_line_is_not_kept() -> None:
     assert list(models.parse(answer)) == ["fine-模型"]
 
 
+def read(node: Node) -> Node:
+    node.cards = {name: {"id": name, "n": node.id} for name in sorted(node.models or ())}
+    return node
+
+
 def test_what_v1_models_lists_is_each_id_once_from_the_nodes_read() -> None:
-    first = node(0, "a", "b")
-    first.cards = {"a": {"id": "a", "n": 0}, "b": {"id": "b", "n": 0}}
-    second = node(1, "b", "c")
-    second.cards = {"b": {"id": "b", "n": 1}, "c": {"id": "c", "n": 1}}
-    unread = node(2)
-    assert models.listing([first, unread, second]) == [
+    first, second, unread = read(node(0, "a", "b")), read(node(1, "b", "c")), node(2)
+    assert models.listing([first, unread], [second, unread]) == [
         {"id": "a", "n": 0},
         {"id": "b", "n": 0},
         {"id": "c", "n": 1},
     ]
-    assert models.listing([unread]) is None  # nothing read yet: the router cannot say
-    assert models.listing([]) is None
+    assert models.listing([unread], [unread]) is None  # nothing read: the router cannot say
+    assert models.listing([], []) is None
+
+
+def test_v1_models_lists_only_what_a_request_may_ask_for() -> None:
+    """A model served by one role only would be listed, then answered 404."""
+    prefill, decode = [read(node(0, "a", "b")), read(node(1, "c"))], [read(node(2, "b", "c"))]
+    assert [card["id"] for card in models.listing(prefill, decode) or []] == ["b", "c"]
+    for model in ("b", "c"):
+        models.check(model, models.offer(prefill, decode))
+    with pytest.raises(ModelNotFound):
+        models.check("a", models.offer(prefill, decode))
+    # No prefill node serving: what the decode nodes serve (their requests get 503).
+    assert [card["id"] for card in models.listing([], decode) or []] == ["b", "c"]
 
 
 @pytest.mark.parametrize(
