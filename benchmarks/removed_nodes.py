@@ -39,12 +39,15 @@ async def write_removed(redis: Redis, count: int) -> None:
     for start in range(FIRST_ID, FIRST_ID + count, 1000):
         nodes: list[str | bytes] = []
         admin: list[str | bytes] = []
+        ids: list[str | bytes] = []
         for i in range(start, min(start + 1000, FIRST_ID + count)):
             url = f"http://10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:8000"
             document = {"role": "decode", "url": url, "slots": 4, "labels": {}}
             nodes += [str(i), orjson.dumps({**document, "source": "dns:decode.example"})]
             admin += [str(i), "removed"]
+            ids += ["decode " + url, str(i)]
         await redis.call("HSET", "{pdr}:nodes", *nodes)
+        await redis.call("HSET", "{pdr}:node-ids", *ids)
         await redis.call("HSET", "{pdr}:admin", *admin)
     await redis.call("SET", "{pdr}:next-id", str(FIRST_ID + count))
 
@@ -82,9 +85,10 @@ async def main(records: int) -> None:
             calls, dropped = calls + 1, dropped + now
             if dropped >= records or calls > 4 * records // PRUNE_BATCH + 4:
                 break
+        took = time.perf_counter() - started
         print(
-            f"prune ({PRUNE_BATCH} at most a call): {dropped} dropped in {calls} calls, {time.perf_counter() - started:.2f} s;"
-            f" the slowest call {1000 * slowest:.1f} ms"
+            f"prune ({PRUNE_BATCH} at most a call): {dropped} dropped in {calls} calls, "
+            f"{took:.2f} s; the slowest call {1000 * slowest:.1f} ms"
         )
         for _ in range(3):
             await timed("reload after the prune", shared._reload())

@@ -19,11 +19,11 @@
 * Probing. One router probes the engines for the fleet (``{pdr}:prober``, a lease renewed
   every third of ``LEASE``); the others take its verdicts. While Redis is away each router
   probes for itself.
-* Removed nodes. A removed node's record is dropped ``kept`` seconds after a router first
-  saw it removed (``scripts.PRUNE``, run by every router at each reconciliation): its id
-  and its removal stay, read by id only. A router still running requests on it carries
-  its record until they end; one that missed the removal (away longer than that) puts the
-  node back as ``NODES`` has it: removed.
+* Removed nodes. A removed node's record is dropped ``kept`` seconds after its removal,
+  once no router has requests on it (``scripts.PRUNE``, run by every router at each
+  reconciliation): its id and its removal stay, read by id only. A router that heard
+  nothing meanwhile, or restarts with its URL in its flags, finds the removal when it
+  puts the record back (``NODES``), and applies it while it still has the node.
 * Requests in flight per node are written every second they change (and every third of
   the lease) under a key that expires with the router's lease: ``in_flight`` reads every
   live router's.
@@ -38,6 +38,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -60,8 +61,8 @@ IN_FLIGHT_EVERY = 1.0
 # Seconds a removed node's record is kept: far longer than any router takes to apply the
 # removal (at the latest, its next reconciliation).
 REMOVED_KEPT = 600.0
-# Removed nodes a reconciliation looks at: ~3 ms of Redis's time (which no router's
-# request gets meanwhile); one that has more works through them round by round.
+# Removed nodes' records one reconciliation drops at most: ~3 ms of Redis's time (which no
+# router's request gets meanwhile); more go round by round.
 PRUNE_BATCH = 500
 
 
@@ -75,7 +76,7 @@ def _per_router(reply: Any) -> bool:
     )
 
 
-_NODES = Script(scripts.NODES, noting(2))
+_NODES = Script(scripts.NODES, noting(3))
 _ADMIN = Script(scripts.ADMIN, flag)
 _DNS_ADMIN = Script(scripts.DNS_ADMIN, flag)
 _VERDICT = Script(scripts.VERDICT, flag)
@@ -218,38 +219,38 @@ class SharedFleet:
         args: list[str] = []
         for node in nodes:
             args += [node.role, node.url, Record.of(node).body().decode(), "serving", ""]
-        ids = await self._nodes(["adopt", self.router_id, *args])
+        ids, pruned = await self._nodes(["adopt", self.router_id, *args])
         # One id per role and URL, and no URL twice in a role (``Fleet``).
-        for node, node_id in zip(nodes, ids):
-            node.id = int(node_id)
+        for node, node_id, how in zip(nodes, ids, pruned):
+            node.id = node_id
+            if how:  # removed, and its record dropped since: ``_sync`` removes it here
+                self.records[node_id] = _removed(Record.of(node), how)
         self._flagged, self._configured = self._configured, None
 
-    async def _put_back(self, missing: list[Record]) -> None:
-        """Redis lost these nodes (it restarted empty), or dropped them removed: written
-        back, under their ids where nobody took them meanwhile (``apply`` follows any that
-        changed), or as the removal they were (``scripts.NODES``)."""
+    async def _put_back(self, missing: list[Record]) -> dict[tuple[Role, str], str]:
+        """Redis lost these nodes (it restarted empty): written back, under their ids where
+        nobody took them meanwhile (``apply`` follows any that changed); each that was
+        removed and pruned instead, with its removal (``scripts.NODES``)."""
         args: list[str] = []
         for r in missing:
             args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
-        await self._nodes(["adopt", self.router_id, *args])
+        _, pruned = await self._nodes(["adopt", self.router_id, *args])
+        return {(r.role, r.url): how for r, how in zip(missing, pruned) if how}
 
     async def _sync(self) -> None:
         """Read the fleet and make the local one match (the lock held)."""
         records, verdicts = await self._read()
-        if lost := [r for r in _missing(self.records, records) if r.admin != "removed"]:
-            await self._put_back(lost)
+        if missing := _missing(self.records, records):
+            pruned = await self._put_back(missing)
             records, verdicts = await self._read()
-            gone = {(r.role, r.url) for r in records.values() if r.admin == "removed"}
-            if back := [r for r in lost if (r.role, r.url) not in gone]:
-                log.warning("the shared state had lost %d nodes of the fleet: put back", len(back))
-            if len(back) < len(lost):
-                log.info(
-                    "%d nodes were removed while this router heard nothing", len(lost) - len(back)
-                )
-        # Removed and pruned: carried while requests here still run on the node.
-        for r in _missing(self.records, records):
-            if self.fleet.find(r.role, r.url) is not None:
-                records.setdefault(r.id, r)
+            if lost := [r for r in missing if (r.role, r.url) not in pruned]:
+                log.warning("the shared state had lost %d nodes of the fleet: put back", len(lost))
+            for r in missing:
+                how = pruned.get((r.role, r.url))
+                # Removed (and pruned) while this router heard nothing, or still has
+                # requests on it: the removal, applied while the node is here.
+                if how and self.fleet.find(r.role, r.url) is not None:
+                    records.setdefault(r.id, _removed(r, how))
         before, self.records = self.records, records
         apply(self.fleet, records, verdicts, self._unsent, self.probes, before)
         flagged, self._flagged = self._flagged, []
@@ -286,7 +287,7 @@ class SharedFleet:
         async with self._locked():
             await self._adopt()
             args = [how, self.router_id, record.role, record.url, body, "serving", ""]
-            (node_id,) = await self._nodes(args)
+            (node_id,), _ = await self._nodes(args)
             await self._sync()
         return self.fleet.node(node_id)
 
@@ -414,11 +415,12 @@ class SharedFleet:
             self._lock = anyio.Lock()
         return self._lock
 
-    async def _nodes(self, args: Sequence[str]) -> list[int]:
-        """``NODES``: the nodes' ids; what it found wrong logged."""
-        ids, bad = await self._run(_NODES, args)
+    async def _nodes(self, args: Sequence[str]) -> tuple[list[int], list[str]]:
+        """``NODES``: the nodes' ids, and the removal of each pruned one ("" if not); what
+        it found wrong logged."""
+        ids, pruned, bad = await self._run(_NODES, args)
         SharedPool.noted(bad)
-        return [int(node_id) for node_id in ids]
+        return [int(node_id) for node_id in ids], [how.decode() for how in pruned]
 
     async def _run(self, script: Script, args: Sequence[str | bytes]) -> Any:
         try:
@@ -429,6 +431,11 @@ class SharedFleet:
             # Logged, never shown: an admin's answer carries no script's error text.
             log.error("shared fleet: redis %s answered: %s", self.redis.settings.address, error)
             raise answered(self.redis, error) from None
+
+
+def _removed(record: Record, how: str) -> Record:
+    """``record`` as removed: ``how`` is what ``{pdr}:admin`` said of it."""
+    return replace(record, admin="removed", forced=how == "removed forced", gone=False)
 
 
 def _missing(before: dict[int, Record], now: dict[int, Record]) -> list[Record]:

@@ -621,7 +621,7 @@ GRANTS = "{pdr}:grant:"
 #   listing it) | removed | removed forced
 # * ``{pdr}:health``    hash: node id -> JSON verdict {dead, reason, message, by}
 # * ``{pdr}:incarnation`` hash: node id -> times it was added again after its removal
-# * ``{pdr}:removed-at`` hash: node id -> when PRUNE first saw it removed (ms, Redis's clock)
+# * ``{pdr}:removed-at`` hash: node id -> when it was removed (ms, Redis's clock)
 # * ``{pdr}:pruned``    hash: node id -> the admin state of a removed node whose record
 #   PRUNE dropped (``removed``, ``removed forced``): read by id only, never listed
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
@@ -630,26 +630,32 @@ GRANTS = "{pdr}:grant:"
 # * channel ``{pdr}:fleet``: the id of a router that changed the fleet; the others reload it
 
 # ARGV: "set" (an operator's add: the record and "serving" are written, the verdict
-# dropped), "adopt" (a router's configured nodes: written only if new, or if its record is
-# gone: pruned, then written as the removed node it was) or "discover" (an
+# dropped), "adopt" (a router's configured nodes, or the records it puts back: written only
+# if new, or if the record alone was lost; not if it was pruned) or "discover" (an
 # address DNS lists: written, the verdict dropped, if new or removed; a known node keeps
 # its record and admin state, an operator's drain included), the router, then
 # per node (role, url, record, admin state, preferred id or "") -> {the nodes' ids, in order,
-# bad (as the pool's scripts: a lost id counter)}.
-# A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it.
+# for each its removal if it was removed and pruned ("" if not: ``pruned``), bad (as the
+# pool's scripts: a lost id counter)}.
+# A preferred id (a router putting back a fleet Redis lost) is taken if nobody has it. An id
+# is never given twice: a pruned node's stays its URL's.
 NODES = _COMMON + """
-local router, ids, changed = ARGV[2], {}, false
+local router, ids, gone, changed = ARGV[2], {}, {}, false
+local function taken(id)
+  return redis.call('HEXISTS', P .. 'nodes', id) == 1
+    or redis.call('HEXISTS', P .. 'pruned', id) == 1
+end
 for i = 3, #ARGV, 5 do
   local key = ARGV[i] .. ' ' .. ARGV[i + 1]
   local id = redis.call('HGET', P .. 'node-ids', key)
-  local write, again, admin = ARGV[1] == 'set', false, ARGV[i + 3]
+  local write, again, pruned = ARGV[1] == 'set', false, ''
   if not id then
     id = ARGV[i + 4]
-    if id == '' or redis.call('HEXISTS', P .. 'nodes', id) == 1 then
+    if id == '' or taken(id) then
       repeat
         -- A lost counter starts again at 0: taken ids are skipped.
         id = tostring(incr(P .. 'next-id', 0) - 1)
-      until redis.call('HEXISTS', P .. 'nodes', id) == 0
+      until not taken(id)
     elseif (as_count(redis.call('GET', P .. 'next-id')) or 0) <= tonumber(id) then
       redis.call('SET', P .. 'next-id', tonumber(id) + 1)
     end
@@ -659,14 +665,13 @@ for i = 3, #ARGV, 5 do
     again = string.sub(redis.call('HGET', P .. 'admin', id) or 'removed', 1, 7) == 'removed'
     if ARGV[1] == 'discover' then write = again end
     if ARGV[1] == 'adopt' and redis.call('HEXISTS', P .. 'nodes', id) == 0 then
-      -- Pruned: the removal stands for a router restarted with it in its flags, or one
-      -- that missed it. (Else the record alone was lost: written back.)
-      write, admin = true, redis.call('HGET', P .. 'pruned', id) or admin
+      pruned = redis.call('HGET', P .. 'pruned', id) or ''
+      write = pruned == ''
     end
   end
   if write then
     redis.call('HSET', P .. 'nodes', id, ARGV[i + 2])
-    redis.call('HSET', P .. 'admin', id, admin)
+    redis.call('HSET', P .. 'admin', id, ARGV[i + 3])
     redis.call('HDEL', P .. 'pruned', id)
     redis.call('HDEL', P .. 'removed-at', id)
     changed = true
@@ -683,9 +688,10 @@ for i = 3, #ARGV, 5 do
     end
   end
   ids[#ids + 1] = tonumber(id)
+  gone[#gone + 1] = pruned
 end
 if changed then redis.call('PUBLISH', P .. 'fleet', router) end
-return {ids, bad}
+return {ids, gone, bad}
 """
 
 # ARGV: router, node id, draining | removed | removed forced, the admin state the router
@@ -698,6 +704,7 @@ local now = redis.call('HGET', P .. 'admin', ARGV[2]) or 'removed'
 if ARGV[4] ~= '' and string.match(now, '^%S+') ~= ARGV[4] then return 0 end
 if ARGV[3] == 'draining' and string.sub(now, 1, 7) == 'removed' then return 0 end
 redis.call('HSET', P .. 'admin', ARGV[2], ARGV[3])
+if ARGV[3] ~= 'draining' then redis.call('HSET', P .. 'removed-at', ARGV[2], now_ms()) end
 redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """
@@ -715,7 +722,9 @@ return 1
 
 # ARGV: router, node id, verdict, the node's incarnation when it was found ("": not known)
 # -> 1, or 0 when the node was added again since (the verdict was on its old incarnation)
+# or removed and pruned
 VERDICT = _COMMON + """
+if redis.call('HEXISTS', P .. 'pruned', ARGV[2]) == 1 then return 0 end
 local now = as_count(redis.call('HGET', P .. 'incarnation', ARGV[2])) or 0
 if ARGV[4] ~= '' and now > tonumber(ARGV[4]) then return 0 end
 redis.call('HSET', P .. 'health', ARGV[2], ARGV[3])
@@ -723,40 +732,48 @@ redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """
 
-# ARGV: ms a removed node's record is kept, most records to look at -> the number of
-# records dropped. Each removed node is timed from the first call that sees it removed;
-# past ``ms``, its record, admin state and verdict are dropped (every router has applied the
-# removal long since), and the decode slots counted on its URL if none is reserved there;
-# its id stays (``node-ids``), with the removal (``pruned``) for NODES. Else every reload
-# would read every node ever removed: a fleet followed through DNS removes one per pod
-# replaced. Bounded, as Redis runs nothing else meanwhile (20,000 at once: 130 ms).
+# ARGV: ms a removed node's record is kept, most records to drop -> the number dropped.
+# A removed node is timed from its removal (ADMIN; one removed by an older version, from
+# the first call that sees it). Past ``ms``, and once no live router counts requests on it
+# (``in-flight:R``: a long stream still running there) nor reserves a slot on its URL,
+# its record, admin state and verdict are dropped, and the decode slots on its URL; its id
+# stays its URL's (``node-ids``), and its removal stays (``pruned``) for NODES and VERDICT.
+# Else every reload would read every node ever removed: a fleet followed through DNS
+# removes one per pod replaced. Bounded, as Redis runs nothing else meanwhile (20,000
+# dropped at once held it 130 ms).
 PRUNE = _COMMON + """
-local now, dropped, left = now_ms(), 0, tonumber(ARGV[2])
+local now, kept, left, stamps = now_ms(), tonumber(ARGV[1]), tonumber(ARGV[2]), 0
+local busy = {}
+for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+  for _, id in ipairs(redis.call('HKEYS', P .. 'in-flight:' .. router)) do busy[id] = true end
+end
 local states = redis.call('HGETALL', P .. 'admin')
 for i = 1, #states, 2 do
   local id, admin = states[i], states[i + 1]
-  if left == 0 then break end
-  if string.sub(admin, 1, 7) == 'removed' then
-    left = left - 1
+  if left == 0 or stamps == 2 * tonumber(ARGV[2]) then break end
+  if string.sub(admin, 1, 7) == 'removed' and not busy[id] then
     local at = tonumber(redis.call('HGET', P .. 'removed-at', id))
     if not at then
       redis.call('HSET', P .. 'removed-at', id, now)
-    elseif now - at >= tonumber(ARGV[1]) then
+      stamps = stamps + 1
+    elseif now - at >= kept then
       local ok, record = pcall(cjson.decode, redis.call('HGET', P .. 'nodes', id) or '')
-      if ok and type(record) == 'table' and record.role == 'decode'
-          and type(record.url) == 'string' and (count(P .. 'used', record.url) or 1) == 0 then
-        redis.call('HDEL', P .. 'slots', record.url)
-        redis.call('HDEL', P .. 'used', record.url)
+      local url = ok and type(record) == 'table' and record.role == 'decode' and record.url
+      if not (type(url) == 'string' and (count(P .. 'used', url) or 1) > 0) then
+        if type(url) == 'string' then
+          redis.call('HDEL', P .. 'slots', url)
+          redis.call('HDEL', P .. 'used', url)
+        end
+        redis.call('HSET', P .. 'pruned', id, admin)
+        for _, key in ipairs({'nodes', 'admin', 'health', 'removed-at'}) do
+          redis.call('HDEL', P .. key, id)
+        end
+        left = left - 1
       end
-      redis.call('HSET', P .. 'pruned', id, admin)
-      for _, key in ipairs({'nodes', 'admin', 'health', 'removed-at'}) do
-        redis.call('HDEL', P .. key, id)
-      end
-      dropped = dropped + 1
     end
   end
 end
-return dropped
+return tonumber(ARGV[2]) - left
 """
 
 # -> {nodes (id, record...), admin states (id, state...), verdicts (id, verdict...),

@@ -16,11 +16,12 @@ import pytest
 from pd_router.discovery.loop import apply
 from pd_router.discovery.rules import Answer, Discovery, Group, parse_dns_spec
 from pd_router.errors import Evidence, NodeDead, StateUnavailable
-from pd_router.fleet.membership import Conflict
+from pd_router.fleet.membership import Conflict, Record
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State, make_nodes
 from pd_router.fleet.registry import Fleet
+from pd_router.shared.fleet import _PUT_IN_FLIGHT as PUT_IN_FLIGHT
 from pd_router.shared.fleet import _VERDICT as VERDICT
-from pd_router.shared.fleet import REMOVED_KEPT, SharedFleet
+from pd_router.shared.fleet import PRUNE_BATCH, REMOVED_KEPT, SharedFleet
 from pd_router.shared.pool import SharedPool
 from pd_router.shared.redis import Redis, Script, parse_url
 from tests.fleet.test_registry import Request
@@ -244,7 +245,8 @@ async def test_a_removed_nodes_record_is_dropped_after_a_while_and_its_removal_s
 ) -> None:
     """Every pod a rollout replaces leaves a removed node behind; its record goes once
     kept long enough (reloads read only the fleet that is), and the removal still holds for
-    a router restarted with the URL in its flags; an add brings it back under its id."""
+    a router restarted with the URL in its flags; an add brings it back under its id, and
+    no other URL ever gets that id."""
     await redis.call("FLUSHALL")
     async with router(redis_server, decode=[D0, D1], kept=0.0) as a, router(redis_server) as b:
         a_d1 = node_on(a, 2)
@@ -252,8 +254,7 @@ async def test_a_removed_nodes_record_is_dropped_after_a_while_and_its_removal_s
         await a.remove(a_d1, False)
         await redis.call("HSET", "{pdr}:health", "2", b'{"state": "dead"}')
         await until(lambda: state(b, D1) is None, 1.0)
-        assert await a.prune() == 0, "timed from the first sighting"
-        assert await a.prune() == 1
+        assert await a.prune() == 1 and await a.prune() == 0
         assert await fields(redis, "nodes") == [b"0", b"1"]
         for key in ("admin", "removed-at", "health"):
             assert b"2" not in await fields(redis, key), key
@@ -262,50 +263,85 @@ async def test_a_removed_nodes_record_is_dropped_after_a_while_and_its_removal_s
         await b._reload()
         await a._reload()
         assert 2 not in a.records and 2 not in b.records and state(b, D1) is None
+        # A verdict found on it before the prune, sent after: dropped, not kept for ever.
+        assert not await a._run(VERDICT, [a.router_id, "2", b'{"state": "dead"}', ""])
+        assert b"2" not in await fields(redis, "health")
         async with router(redis_server, decode=[D0, D1]) as c:
             assert state(c, D1) is None, "a router with it in its flags: still removed"
             assert ids(c) == {P0: 0, D0: 1}
+            # An id counter lost meanwhile starts again past every id given, pruned ones too.
+            await redis.call("DEL", "{pdr}:next-id")
+            d2 = await c.add(D2, "decode", 2, {})
+            assert d2.id == 3
             back = await c.add(D1, "decode", 2, {})
             assert back.id == 2 and back.state is State.JOINING
             await until(lambda: state(a, D1) is State.JOINING and state(b, D1) is not None)
         assert await fields(redis, "pruned") == []
 
 
+async def test_a_removal_outlives_redis_losing_the_fleet(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Redis restarts empty after an operator removed a node: the routers put it back as
+    removed, under its id, and a router started with it in its flags finds it removed."""
+    await redis.call("FLUSHALL")
+    async with router(redis_server, decode=[D0, D1, D2]) as a:
+        d2 = node_on(a, 3)
+        await a.drain(d2)
+        await a.remove(d2, False)
+        await until(lambda: state(a, D2) is None, 1.0)
+        await redis.call("FLUSHALL")
+        await a.pool._renew()  # what its next renewal does: it registers again
+        assert await redis.call("HGET", "{pdr}:admin", "3") == b"removed"
+        async with router(redis_server, decode=[D0, D2]) as c:
+            assert state(c, D2) is None and state(a, D2) is None
+            added = await c.add("http://d9:1", "decode", 2, {})
+            assert added.id == 4, "the removed node's id is not given again"
+
+
 async def test_a_router_that_missed_a_removal_follows_it_after_the_record_was_dropped(
     redis_server: RedisServer, redis: Redis
 ) -> None:
     """b hears nothing while the node is removed and its record dropped: its next reload
-    finds the removal all the same, and fails no request; one still running on the node
-    (started after the removal's count) ends first, on the node drained."""
+    finds the removal all the same and fails what runs there, once (the removal was
+    forced)."""
     async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
         b_d1 = node_on(b, 2)
         heard = anyio.Event()
-        b_reload = b._reload
+        b_reload, b_run = b._reload, b._run
 
         async def late() -> None:
             await heard.wait()
             await b_reload()
 
+        async def unheard(script: Script, args: Sequence[str | bytes]) -> Any:
+            return 1 if script is PUT_IN_FLIGHT else await b_run(script, args)
+
         b._reload = late  # type: ignore[method-assign]
+        b._run = unheard  # type: ignore[method-assign]
+        await redis.call("DEL", "{pdr}:in-flight:" + b.router_id)  # as when its lease ran out
         request = Request("r1")
         with b.fleet.bind(request, b_d1):
             a_d1 = node_on(a, 2)
             await a.drain(a_d1)
             await a.remove(a_d1, True)
-            await a.prune()
             assert await a.prune() == 1
             assert state(b, D1) is State.SERVING, "b heard nothing"
             heard.set()
             await b._reload()
             assert [type(e) for e in request.errors] == [NodeDead], "forced: failed once"
             assert state(b, D1) is None
-        # The record, back as the removal it was, goes again.
-        await a.prune()
-        assert await a.prune() == 1
+        await b._reload()
+        assert 2 not in b.records and await fields(redis, "nodes") == [b"0", b"1"]
 
+
+async def test_a_node_with_requests_still_on_it_keeps_its_record(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """A request that started on b after the removal's count runs on, the node drained
+    there: its record stays while b counts it (so an operator can still force it out),
+    and goes once the request ended, the node's slots with it."""
     async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
-        await a.add(D1, "decode", 2, {})
-        await until(lambda: state(b, D1) is not None, 1.0)
         b_d1, a_d1 = node_on(b, 2), node_on(a, 2)
         request = Request("r2")
         with b.fleet.bind(request, b_d1):
@@ -315,15 +351,29 @@ async def test_a_router_that_missed_a_removal_follows_it_after_the_record_was_dr
             await until(lambda: 2 not in ids(a).values(), 1.0)
             await b._reload()
             assert state(b, D1) is State.DRAINING, "kept under the request it runs"
-            await a.prune()
-            assert await a.prune() == 1
+            await until(lambda: b._published == {2: 1}, 3.0)
+            assert [await a.prune(), await a.prune()] == [0, 0], "b counts a request there"
+            await b.remove(b_d1, True)
             await b._reload()
-            assert state(b, D1) is State.DRAINING, "carried, the record dropped"
-        assert request.errors == []
-        await b._reload()
-        assert state(b, D1) is None
-        await b._reload()
-        assert 2 not in b.records, "carried no more"
+            assert [type(e) for e in request.errors] == [NodeDead]
+        await until(lambda: not b._published, 3.0)
+        assert await a.prune() == 1
+        assert D1.encode() not in await fields(redis, "slots") + await fields(redis, "used")
+
+
+async def test_removed_records_left_by_an_older_version_go_a_batch_at_a_time(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    await redis.call("FLUSHALL")
+    async with router(redis_server, kept=0.0) as a:
+        many = PRUNE_BATCH + 10
+        for i in range(100, 100 + many):
+            record = Record(i, "decode", f"http://10.0.{i >> 8}.{i & 255}:1", 2)
+            await redis.call("HSET", "{pdr}:nodes", str(i), record.body())
+            await redis.call("HSET", "{pdr}:admin", str(i), "removed")
+        assert await a.prune() == 0, "timed from the first look"
+        assert [await a.prune(), await a.prune()] == [PRUNE_BATCH, 10]
+        assert await fields(redis, "nodes") == [b"0", b"1", b"2"]
 
 
 async def noop_counts() -> dict[str, dict[int, int]]:
