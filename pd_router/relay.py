@@ -696,8 +696,10 @@ class Relay:
             await answer.pipe(pour.feed)
         finally:
             client.when_writable(None)
-        if pour.error is not None:
+        if isinstance(pour.error, ValueError):
             raise _event_too_large(answer, pour.error)
+        if pour.error is not None:
+            raise pour.error
         if events.done:
             await client.end_events(pour.last)
 
@@ -732,8 +734,10 @@ class _Pour:
         self._events = events
         # The events that end the stream, with ``[DONE]``: ``send`` ends the response with them.
         self.last = b""
-        # The engine's bytes were not events (``EventRelay.feed``).
-        self.error: ValueError | None = None
+        # The engine's bytes were not events (``EventRelay.feed``), or feeding them failed
+        # otherwise: raised by the relay once the pipe ends (never into the loop's callback,
+        # which would leave the pipe waiting for bytes that were already taken).
+        self.error: Exception | None = None
 
     def feed(self, data: bytes) -> bool:
         """True: no more (the stream's end, an error, or the request is over)."""
@@ -743,7 +747,7 @@ class _Pour:
         events = self._events
         try:
             ready = events.feed(data)
-        except ValueError as exc:
+        except Exception as exc:
             self.error = exc
             return True
         if not ready:

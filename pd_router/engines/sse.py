@@ -42,7 +42,13 @@ def with_usage_fixed(payload: bytes, document: Any, fix: UsageFix) -> bytes:
     if not isinstance(usage, dict):
         return payload
     fix(usage)
-    return orjson.dumps(document)
+    try:
+        return orjson.dumps(document)
+    except orjson.JSONEncodeError:
+        # Nested deeper than orjson writes (254 levels; it reads 1,024): a lying engine's
+        # answer, or its usage from the prefill engine's. Passed on as it came, its usage
+        # not fixed, rather than failing the request the engine answered.
+        return payload
 
 
 class EventRelay:

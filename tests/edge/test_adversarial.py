@@ -281,6 +281,25 @@ def test_sse_quirks_and_non_json_answers(router: RouterProcess, liar: LyingEngin
         assert error_of(response)["message"].endswith("answer is not JSON")
 
 
+def test_an_answer_nested_deeper_than_the_router_writes_goes_on_as_it_came(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """Its usage cannot be fixed (orjson reads 1,024 levels and writes 254): before, a 500
+    for a plain answer, and a poured stream cut short of its usage and [DONE] (or held
+    until the stall timeout) that the log called ok."""
+    deep = b'{"choices": [], "usage": {"prompt_tokens": 3}, "x": ' + b"[" * 300 + b"]" * 300
+    deep += b"}"
+    liar.lies["deep"] = http(200, deep, "content-type: application/json")
+    liar.lies["deep-stream"] = then(2, chunk(events(deep, b"[DONE]")), hold=True)
+    url = f"{router.url}/v1/completions"
+    with attacked(router):
+        response = httpx.post(url, json=lie("deep"))
+        assert (response.status_code, response.content) == (200, deep)
+        response = httpx.post(url, json=lie("deep-stream", stream=True), timeout=10)
+        assert response.status_code == 200
+        assert response.content == events(token(" 0"), token(" 1"), deep, b"[DONE]")
+
+
 @pytest.mark.parametrize(
     ("tail", "says", "hold"),
     [

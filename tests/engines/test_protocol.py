@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -156,6 +158,22 @@ def test_event_relay_bounds_an_event_that_never_ends() -> None:
     with pytest.raises(ValueError, match="exceeded"):
         for _ in range(300):
             relay.feed(b"x" * 4096)
+
+
+def test_a_usage_nested_deeper_than_json_is_written_back_goes_on_as_it_came() -> None:
+    """orjson reads 1,024 levels and writes 254: a lying engine's answer (or a prefill
+    engine's usage details, copied into the decode engine's) is not fixed, not failed."""
+    deep = b"[" * 300 + b"]" * 300
+    raw = b'{"usage": {"prompt_tokens": 3}, "x": ' + deep + b"}"
+    assert patch_usage(raw, fix) is raw
+
+    def deep_details(usage: dict[str, Any]) -> None:
+        usage["prompt_tokens_details"] = orjson.loads(deep)
+
+    raw = b'{"usage": {"prompt_tokens": 3}}'
+    assert patch_usage(raw, deep_details) is raw
+    stream = b"data: " + raw + b"\n\n" + DONE
+    assert EventRelay(deep_details).feed(stream) == stream
 
 
 def test_patch_usage_leaves_documents_without_usage_untouched() -> None:
