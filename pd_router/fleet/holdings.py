@@ -42,6 +42,9 @@ BYTES_PER_TOKEN = 4
 CHUNK_TOKENS = CHUNK_BYTES // BYTES_PER_TOKEN
 # A GPU's KV cache for an 8B model holds a few hundred thousand tokens.
 DEFAULT_CACHE_TOKENS = 262_144
+# The most an engine's events may say its cache holds (an 80 GB GPU holds ~10 M tokens of a
+# 0.5B model's KV): the prediction of what it holds is bounded by it, ~26 MB a node.
+MAX_CACHE_TOKENS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -281,6 +284,7 @@ class KvView:
 
     def set_capacity(self, node_id: int, tokens: int) -> None:
         """The engine's cache holds ``tokens`` of its tokens (its events said so)."""
+        tokens = min(tokens, MAX_CACHE_TOKENS)
         self._capacity[node_id] = tokens
         self.of(node_id).resize(tokens, self.ratio)
 

@@ -71,6 +71,9 @@ MAX_BLOCKS = 1 << 20
 # thousand): it would make the capacity learned from evictions, and so the prediction's
 # bound, as large as a lie wants.
 MAX_BLOCK_SIZE = 1 << 16
+# Bytes of one block hash: vLLM's are 32 (sha256), or 64-bit ints. A longer one is a lie
+# that would make each block of the index cost what the publisher wants.
+MAX_HASH_BYTES = 64
 # The mediums of the engine's own prefix cache (vLLM's GPU pool; its CPU backend says GPU
 # too): an offloading tier's blocks are not what the engine finds by prefix caching.
 _PREFIX_CACHE = (None, "GPU")
@@ -161,7 +164,7 @@ def _stored(fields: dict[str, Any]) -> Stored | None:
         fields.get("parent_block_hash"),
     )
     if not _hashes(hashes) or not isinstance(ids, list) or not _hashes([parent]):
-        raise EventError("BlockStored without block hashes and token ids")
+        raise EventError("BlockStored without block hashes (of 64 bytes at most) and token ids")
     size = fields.get("block_size")
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
         raise EventError("BlockStored without a block size (1 to 65,536 tokens)")
@@ -175,7 +178,10 @@ def _stored(fields: dict[str, Any]) -> Stored | None:
 def _hashes(value: object) -> TypeGuard[list[Any]]:
     """A list of block hashes (bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
     return isinstance(value, list) and all(
-        block_hash is None or isinstance(block_hash, bytes | int | str) for block_hash in value
+        block_hash is None
+        or isinstance(block_hash, int)
+        or (isinstance(block_hash, bytes | str) and len(block_hash) <= MAX_HASH_BYTES)
+        for block_hash in value
     )
 
 
@@ -254,6 +260,11 @@ class EventStream:
         index = self.index
         for event in batch.events:
             if isinstance(event, Stored):
+                size = index.block_size
+                if len(event.hashes) > 1 and size and event.block_size != size:
+                    # One size per cache group in vLLM: blocks of another would make the
+                    # capacity learned from evictions (blocks x size) what a lie wants.
+                    raise EventError(f"{event.block_size}-token blocks after {size}-token ones")
                 if not index.stored(
                     event.hashes, event.parent, event.ids, event.block_size, event.extra
                 ):

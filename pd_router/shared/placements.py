@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -34,6 +35,12 @@ FLUSH = 0.005
 OUTBOX = 4096
 # A prompt's tokens in a heard placement: more is no engine's context, but a lie.
 MAX_TOKENS = 1 << 32
+# A placement's chunks (``CHUNK_TOKENS`` each: 512 K tokens), and one message's bytes: a
+# listener parses and applies a message at once, every other request of its router waiting
+# (a 6 MiB lie held each listening router's loop 460 ms; 1 MiB takes ~30 ms). A sender
+# splits what it has into messages that fit; a listener skips one that does not.
+MAX_CHUNKS = 8192
+MESSAGE_BYTES = 1 << 20
 
 Placed = tuple[str, str, list[int], int]  # (role, url, chunk keys, tokens)
 
@@ -73,9 +80,9 @@ class SharedPlacements:
             await anyio.sleep(FLUSH)  # those placed meanwhile go in the same message
             items = list(self.outbox)
             self.outbox.clear()
-            message = orjson.dumps({"router": self.router_id, "placed": items})
             try:
-                await self.redis.call("PUBLISH", CHANNEL, message)
+                for message in messages(self.router_id, items):
+                    await self.redis.call("PUBLISH", CHANNEL, message)
             except (RedisUnavailable, RedisError) as exc:
                 log.info("placements not shared: %s", exc)
 
@@ -85,6 +92,9 @@ class SharedPlacements:
                 async with self.redis.subscribe(CHANNEL) as channel:
                     while True:
                         _, data = await channel.next_message()
+                        if len(data) > MESSAGE_BYTES:
+                            log.info("placements channel: a message over 1 MiB, skipped")
+                            continue
                         try:
                             message = orjson.loads(data)
                         except orjson.JSONDecodeError:
@@ -106,7 +116,7 @@ class SharedPlacements:
         nodes: dict[tuple[str, str], Node] = {
             (node.role, node.url): node for node in self.fleet.nodes
         }
-        for item in placed:
+        for item in placed[:OUTBOX]:
             if not isinstance(item, list) or len(item) != 4:
                 continue
             role, url, chunks, tokens = item
@@ -114,6 +124,8 @@ class SharedPlacements:
                 continue
             node = nodes.get((role, url))
             if node is None or not isinstance(chunks, list) or not 0 <= tokens < MAX_TOKENS:
+                continue
+            if len(chunks) > MAX_CHUNKS:
                 continue
             if not all(isinstance(key, int) for key in chunks):
                 continue
@@ -124,3 +136,22 @@ class SharedPlacements:
                 self.fleet.prefill.heard(node, prompt)
             else:
                 self.fleet.kv.of(node.id).insert(chunks)
+
+
+def messages(router_id: str, items: list[Placed]) -> Iterator[bytes]:
+    """``items`` as messages of ``MESSAGE_BYTES`` at most, in order; a placement of more
+    than ``MAX_CHUNKS`` chunks is left out (no engine's context is that long)."""
+    head = orjson.dumps({"router": router_id, "placed": []})[:-2]
+    parts: list[bytes] = []
+    size = len(head) + 2
+    for item in items:
+        if len(item[2]) > MAX_CHUNKS:
+            continue
+        part = orjson.dumps(item)
+        if parts and size + len(part) + 1 > MESSAGE_BYTES:
+            yield head + b",".join(parts) + b"]}"
+            parts, size = [], len(head) + 2
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        yield head + b",".join(parts) + b"]}"

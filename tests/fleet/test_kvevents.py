@@ -9,7 +9,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from pd_router.fleet.holdings import CHUNK_TOKENS, KvView
+from pd_router.fleet.holdings import CHUNK_TOKENS, MAX_CACHE_TOKENS, KvView
 from pd_router.fleet.kvevents import (
     DEGRADED,
     LIVE,
@@ -75,6 +75,9 @@ def test_vllm_messages_decode_and_garbage_does_not() -> None:
         # learned from its evictions would be as large.
         (frames, [1.0, [{**as_map, "block_hashes": [], "token_ids": [], "block_size": 1 << 62}]]),
         (frames, [1.0, "events"]),
+        # A hash longer than any engine's: each block would cost what the publisher wants.
+        (frames, [1.0, [{**as_map, "block_hashes": [b"h" * 65, b"h1"]}]]),
+        (frames, [1.0, [{**as_map, "parent_block_hash": "p" * 65}]]),
     ]:
         with pytest.raises(EventError):
             decode(frames, payload)
@@ -151,6 +154,26 @@ def test_a_publisher_that_stores_and_never_evicts_is_bounded() -> None:
     assert stream.capacity is None
     streams.apply(0, batch(31, ["BlockRemoved", [29 * 8], None]))
     assert stream.capacity is not None and stream.capacity <= 100 * 16
+
+
+def test_a_sha256_hash_or_a_64_bit_int_is_a_hash() -> None:
+    event = ["BlockStored", [b"h" * 32, 2**64 - 1], "p" * 64, list(range(32)), 16, None, None]
+    assert batch(0, event).events[0].hashes == [b"h" * 32, 2**64 - 1]
+
+
+def test_blocks_of_another_size_are_garbage_and_what_events_teach_is_bounded() -> None:
+    """An engine's blocks are of one size: a run of larger ones would make the capacity
+    learned from its evictions (blocks x size) as large as a lie wants, and with it the
+    prediction of what the engine holds, which would then forget nothing."""
+    view = KvView(cache_tokens=1_000_000)
+    streams = EventStreams(view)
+    streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(4)))
+    big = ["BlockStored", [b"x0", b"x1"], None, list(range(2 * 1024)), 1024, None, None]
+    with pytest.raises(EventError, match="1024-token blocks after 16-token ones"):
+        streams.apply(0, batch(1, big))
+    view.set_capacity(0, 10**12)
+    assert view.of(0).capacity == MAX_CACHE_TOKENS // CHUNK_TOKENS
 
 
 def test_evictions_teach_the_engines_capacity() -> None:

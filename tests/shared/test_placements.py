@@ -10,7 +10,13 @@ import pytest
 
 from pd_router.fleet.nodes import Node
 from pd_router.fleet.registry import Fleet
-from pd_router.shared.placements import CHANNEL, SharedPlacements
+from pd_router.shared.placements import (
+    CHANNEL,
+    MAX_CHUNKS,
+    MESSAGE_BYTES,
+    SharedPlacements,
+    messages,
+)
 from pd_router.shared.redis import Redis
 
 pytestmark = pytest.mark.anyio
@@ -53,6 +59,9 @@ async def test_garbage_on_the_channel_is_skipped_and_what_follows_is_heard(redis
             placed("decode", DECODE, good, -1),
             placed("decode", DECODE, good, True),
             orjson.dumps({"router": "other", "placed": [["decode", DECODE, good]]}),
+            # Larger than any sender sends: the listener's loop would be held meanwhile.
+            placed("decode", DECODE, good + list(range(1000, 300_000)), 10),
+            placed("decode", DECODE, good * (MAX_CHUNKS // 3 + 1), 10),
         ]:
             await redis.call("PUBLISH", CHANNEL, garbage)
         await redis.call("PUBLISH", CHANNEL, placed("decode", DECODE, [21, 22], 8))
@@ -63,3 +72,15 @@ async def test_garbage_on_the_channel_is_skipped_and_what_follows_is_heard(redis
         assert here.kv.of(decode.id).held(good) == 0
         assert here.kv.of(decode.id).held([21, 22]) == 2
         tg.cancel_scope.cancel()
+
+
+def test_a_burst_of_placements_goes_out_in_messages_a_listener_takes() -> None:
+    """Up to ``OUTBOX`` placements of long prompts wait for one flush: they go out in
+    order, in messages of 1 MiB at most; one longer than any context is left out."""
+    items = [("prefill", PREFILL, list(range(i, i + 2000)), 128_000) for i in range(200)]
+    items.insert(7, ("prefill", PREFILL, [1] * (MAX_CHUNKS + 1), 600_000))
+    sent = list(messages("me", items))
+    assert len(sent) > 1 and all(len(message) <= MESSAGE_BYTES for message in sent)
+    heard = [item for message in sent for item in orjson.loads(message)["placed"]]
+    assert heard == [list(item) for item in items[:7] + items[8:]]
+    assert {orjson.loads(message)["router"] for message in sent} == {"me"}
