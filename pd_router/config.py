@@ -254,6 +254,8 @@ def read_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 (byte {exc.start})") from None
 
 
 def from_file(

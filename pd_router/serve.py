@@ -104,6 +104,21 @@ _workers = _whole(1, workers.MAX_WORKERS, f"a whole number >= 1 and <= {workers.
 _port = _whole(0, 65535, "a whole number from 0 to 65535 (0: any free port)")
 
 
+def _token(text: str) -> str:
+    """The admin token, as a client sends it after ``Bearer `` (``edge/auth.bearer`` strips
+    its ends): a token with a space or a control character at either end, or a byte that
+    is not UTF-8, could never be sent, and the admin API would refuse every call."""
+    if not text or text != text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            "must be printable, with no space at either end (the value is not repeated)"
+        )
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("must be UTF-8 (the value is not repeated)") from None
+    return text
+
+
 def _dns_server(text: str) -> tuple[str, int]:
     """``IP[:PORT]`` (``[IPv6]:PORT``), port 53 by default: the resolver asks an address."""
     host, port = text.strip(), "53"
@@ -198,7 +213,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "long, failing what it still holds"),
     ("--dns-server", _dns_server, None, "HOST:PORT",
      "the DNS server to ask for discovery; unset, the system's resolver configuration"),
-    ("--admin-token", str, None, "TOKEN",
+    ("--admin-token", _token, None, "TOKEN",
      "enable /admin/* behind this bearer token; unset, /admin/* is off"),
     ("--api-keys-file", str, None, "FILE",
      "client keys, one a line: NAME KEY [max_in_flight=N] (KEY may be sha256:<hex>); every "
@@ -550,6 +565,9 @@ def listen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> socket.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
         sock.listen()
+    except (TypeError, UnicodeError):  # a host name the socket cannot encode
+        sock.close()
+        parser.exit(2, f"{parser.prog}: error: --host {args.host!r}: not an address\n")
     except OSError as exc:
         sock.close()
         reason = (exc.strerror or str(exc)).lower()

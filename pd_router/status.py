@@ -235,7 +235,8 @@ _OPENER = urllib.request.build_opener(_NoRedirects())
 
 
 def fetch(url: str, token: str | None = None, timeout: float = 5.0) -> bytes:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # urllib writes header values as Latin-1; the router reads the token as UTF-8 bytes.
+    headers = {"Authorization": f"Bearer {token}".encode().decode("latin-1")} if token else {}
     request = urllib.request.Request(url, headers=headers)
     # The scheme was checked to be http(s) in main: the opener cannot be pointed at a file.
     with _OPENER.open(request, timeout=timeout) as response:  # nosec B310

@@ -314,6 +314,14 @@ def test_a_taken_port_is_one_line_with_a_hint(
     assert done.stderr == f"pd-router: error: cannot listen on {shown}:{port}: {IN_USE}\n"
 
 
+def test_a_host_that_is_no_text_is_one_line() -> None:
+    """A byte of argv that is not UTF-8 (Python keeps it as a lone surrogate) crashed the
+    start with a traceback: the socket cannot encode it."""
+    assert refusal(run(*ENGINES, "--host", "\udcff")) == (
+        "pd-router: error: --host '\\udcff': not an address"
+    )
+
+
 def test_the_demo_on_a_taken_port_starts_no_engine() -> None:
     mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
     seen: set[int] = set()

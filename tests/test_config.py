@@ -259,6 +259,33 @@ def test_unreadable_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     missing = tmp_path / "nowhere.toml"
     assert "nowhere.toml: No such file" in refusal(capsys, [*NODES, "--config", str(missing)])
     assert "not valid TOML" in refusal(capsys, NODES, {}, "queue_timeout = = 3\n", tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b"queue_timeout = 5\n\xff\xfe = 1\n")
+    assert "latin.toml: not UTF-8 (byte 18)" in refusal(capsys, [*NODES, "--config", str(latin)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml"),
+    [
+        (["--admin-token", "s3cr3t "], {}, None),
+        (["--admin-token", "s3cr3t\udcff"], {}, None),  # a byte of argv that is not UTF-8
+        ([], {}, 'admin_token = " s3cr3t"\n'),
+        ([], {}, 'admin_token = "s3cr3t\\n"\n'),
+        ([], {"PD_ROUTER_ADMIN_TOKEN": "s3cr\x01t"}, None),
+    ],
+)
+def test_an_admin_token_no_client_could_send_is_refused_unrepeated(
+    argv: list[str],
+    env: dict[str, str],
+    toml: str | None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before, one with a space at an end started a router whose admin API refused every
+    call (the token a client sends is stripped); one not UTF-8 crashed it at start."""
+    message = refusal(capsys, [*NODES, *argv], env, toml, tmp_path)
+    assert "admin_token" in message.lower().replace("-", "_") and "s3cr" not in message
+    assert parse([*NODES, "--admin-token", "tök €"]).admin_token == "tök €"
 
 
 def test_missing_nodes_name_every_spelling(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,8 @@ from pd_router.status import NodeRow, Snapshot, format_table, from_admin, from_m
 from tests.helpers import RawClient, RouterProcess, flush_state, slots_in_use, wait_for
 from tests.redis_server import RedisServer
 
-TOKEN = "status-test-token"
+# Not ASCII: the router reads a token as UTF-8 bytes, and status must send it so.
+TOKEN = "status-test-tökén"
 
 
 class ConfiguredRouter(RouterProcess):
@@ -41,7 +42,8 @@ def router(fleet: SimFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # A third decode node where nothing listens: the prober makes it dead.
     nowhere = f"http://127.0.0.1:{free_port()}"
     config = tmp_path_factory.mktemp("status") / "pd-router.toml"
-    config.write_text(f"""
+    config.write_text(
+        f"""
 decode_slots = 4
 health_interval = 0.1
 unhealthy_after = 2
@@ -61,7 +63,9 @@ url = "{fleet.decode[1].url}"
 
 [[decode]]
 url = "{nowhere}"
-""")
+""",
+        encoding="utf-8",
+    )
     with ConfiguredRouter(config) as router:
         wait_for(lambda: router.metrics().get(_state(3, nowhere, "dead")) == 1, what="node 3 dead")
         yield router
@@ -155,7 +159,7 @@ def test_status_of_an_unreachable_router_fails_clearly() -> None:
 
 
 def test_nodes_added_through_the_admin_api_keep_their_labels(router: RouterProcess) -> None:
-    auth = {"Authorization": f"Bearer {TOKEN}"}
+    auth = {"Authorization": f"Bearer {TOKEN}".encode()}
     nodes = f"{router.url}/admin/nodes"
     with EngineProcess("prefill") as engine:
         spec = {"url": engine.url, "role": "prefill", "labels": {"zone": "b"}}
