@@ -40,6 +40,7 @@ from pd_router.edge.protocol import (
     LINGER,
     MAX_HEAD_BYTES,
     MIN_BODY_RATE,
+    SEND_TIMEOUT,
     ClientLimits,
     ClientStats,
     default_max_connections,
@@ -183,6 +184,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
     ("--body-timeout", _seconds, BODY_TIMEOUT, "SECONDS",
      f"a request body must bring at least {MIN_BODY_RATE} bytes a second (or its end) in "
      "each window this long, or get 408 and the connection closed; 0: no limit"),
+    ("--send-timeout", _seconds, SEND_TIMEOUT, "SECONDS",
+     "a client whose connection takes none of its answer for this long (its buffer stays "
+     "full) is closed, its request ended and its decode slot freed; 0: no limit"),
     ("--idle-timeout", _seconds, IDLE_TIMEOUT, "SECONDS",
      "close a keep-alive connection idle this long; keep it above clients' own pool "
      "timeouts (5 s for httpx and the openai SDK); 0 closes after each response"),
@@ -648,6 +652,7 @@ def _serve(
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections or default_max_connections(),
+        send_timeout=args.send_timeout,
     )
     stats = ClientStats()
     router.telemetry.registry.register(stats)

@@ -14,6 +14,10 @@ or by opening connections until ``accept`` fails for every other client too. Her
   ``MIN_BODY_RATE`` bytes a second, or the rest of it, or it gets 408 (before its response
   began; after, the connection is just closed) and the app's ``receive()`` sees
   ``http.disconnect``, so the request ends and its resources are released;
+* an answer must keep going out: a client whose transport stays full (it reads nothing,
+  or less than the flow control's 48 KiB between its high and low water marks) for
+  ``send_timeout`` seconds has its connection aborted, so its request ends as the client's
+  leaving and frees its decode slot and engine (nginx's ``send_timeout``);
 * beyond ``max_connections`` open connections, ``CONTROL_CONNECTIONS`` more may carry only
   the operator's requests (``/admin/*``, ``/health``, ``/metrics``; any other gets 503
   ``too_many_connections`` and the connection is closed); beyond those a new one gets the
@@ -47,6 +51,7 @@ already begun on the connection (a pipelined request); the connection is closed 
 
 from __future__ import annotations
 
+import asyncio
 import resource
 from asyncio import AbstractEventLoop, Handle, TimerHandle, Transport
 from collections.abc import Callable, Iterator
@@ -80,6 +85,8 @@ BODY_TIMEOUT = 30.0
 # 1 KiB/s: a request body crosses any network a client really uses far faster; a trickle
 # below it (slowloris sends 1 byte/s) would hold a connection for as long as it likes.
 MIN_BODY_RATE = 1024
+# A client has this long to take what its transport holds (nginx's send_timeout).
+SEND_TIMEOUT = 60.0
 # Idle keep-alive connections are held longer than clients keep them pooled (httpx and so
 # the openai SDK: 5 s, uvicorn's own default too): otherwise a client reuses a connection
 # the router is just closing, and its request fails. 75 s is nginx's default, also well
@@ -98,7 +105,14 @@ FD_RESERVE = 64
 # file descriptors come out of ``FD_RESERVE``.
 CONTROL_CONNECTIONS = 16
 
-REASONS = ("head_too_large", "header_timeout", "body_timeout", "too_many_connections", "shutdown")
+REASONS = (
+    "head_too_large",
+    "header_timeout",
+    "body_timeout",
+    "send_timeout",
+    "too_many_connections",
+    "shutdown",
+)
 
 Phase = Literal["idle", "head", "body", "closing"]
 
@@ -122,6 +136,7 @@ class ClientLimits:
     header_timeout: float  # 0: none
     body_timeout: float  # 0: none
     max_connections: int
+    send_timeout: float = SEND_TIMEOUT  # 0: none
 
 
 class ClientStats(Collector):
@@ -167,7 +182,7 @@ class ClientProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow = self._flow = Flow(transport)
+        self.flow = self._flow = Flow(transport, self.limits.send_timeout, self._stuck)
         self.stats.open += 1
         cap = self.limits.max_connections
         if self.stats.open > cap + CONTROL_CONNECTIONS:
@@ -182,6 +197,7 @@ class ClientProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.stats.open -= 1
         self._unwatch()
+        self._flow.unwatch()
         super().connection_lost(exc)
         # uvicorn tells only its ``cycle``, the newest request: one being answered with
         # another pipelined behind it would stream on into the closed connection, its slot
@@ -323,6 +339,12 @@ class ClientProtocol(HttpToolsProtocol):
             )
             self._close_with("body_timeout", error)
 
+    def _stuck(self) -> None:
+        """The client took nothing of its answer for ``send_timeout`` seconds: aborted (a
+        close would wait for the buffer to drain), its requests told it left."""
+        self.stats.closed["send_timeout"] += 1
+        self.transport.abort()
+
     def _may_answer(self) -> bool:
         """No response has begun on this connection that an answer would cut into."""
         if self._phase == "body":
@@ -385,17 +407,32 @@ class Departure:
 
 class Flow(FlowControl):
     """uvicorn's flow control, which also tells one waiter when the client's transport
-    takes writes again (``Wire.when_writable``)."""
+    takes writes again (``Wire.when_writable``), and calls ``stuck`` when it has not for
+    ``timeout`` seconds (0: never)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, timeout: float, stuck: Callable[[], None]) -> None:
         super().__init__(transport)
         self.on_writable: Callable[[], None] | None = None
+        self._timeout = timeout
+        self._stuck = stuck
+        self._timer: TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._timeout > 0 and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._stuck)
 
     def resume_writing(self) -> None:
+        self.unwatch()
         super().resume_writing()
         callback, self.on_writable = self.on_writable, None
         if callback is not None:
             callback()
+
+    def unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class Wire:

@@ -408,6 +408,41 @@ def test_a_client_that_stops_reading_then_leaves_frees_its_slot_and_its_engine(
     assert router.metrics().get(aborted, 0) >= 1
 
 
+def test_a_client_that_stops_reading_and_stays_loses_its_request_after_send_timeout() -> None:
+    """The same client, but it never leaves: before, its slot and engine were held until
+    it did (with one slot, everyone else got 429 meanwhile). ``--send-timeout`` seconds
+    after its buffer filled, the router aborts the connection and the request ends as the
+    client's leaving."""
+    flood = Flood()
+    with SimFleet(prefill=1, decode=0) as sims, LyingEngine() as liar:
+        liar.lies["flood"] = flood
+        args = ["--decode-slots", "1", "--send-timeout", "2", "--stall-timeout", "1"]
+        with RouterProcess([sims.prefill[0].url], [liar.url], *args) as router:
+            body = json.dumps(lie("flood", stream=True)).encode()
+            with socket.create_connection(("127.0.0.1", router.port)) as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+                client.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                wait_for(lambda: flood.sent > 1 << 20, what="the flood under way")
+                assert flood.closed.wait(30), "the engine's connection was closed"
+                wait_for(lambda: router.in_use() == 0, timeout=10, what="the slot back")
+                answer = httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=10)
+                assert answer.status_code == 200, "the next client is served"
+            metrics = router.metrics()
+            assert metrics["pd_router_client_connections_closed_total{reason=send_timeout}"] == 1
+            aborted = "pd_router_requests_total{endpoint=completions,outcome=client_aborted}"
+            assert metrics[aborted] == 1
+            assert (
+                metrics.get(
+                    "pd_router_node_state{node=1,role=decode,state=serving,url=" + liar.url + "}"
+                )
+                == 1
+            ), "the engine is not blamed"
+            router.assert_idle()
+
+
 def stalled(flood: Flood) -> bool:
     """The flood wrote nothing for a while: the router stopped reading it."""
     sent = flood.sent
