@@ -376,12 +376,14 @@ class Relay:
             self._prefill_seconds = time.perf_counter() - prefill_started
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled)
-        if handed is None or self.client_gone:
+        if handed is None:
             return
         answer, first = handed
         node = binding.decode
         if 400 <= answer.status < 500 and not prefilled.is_local:
-            await self._drain(node, prefilled)
+            await self._drain(node, prefilled)  # the client gone or not
+        if self.client_gone:
+            return
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
@@ -413,9 +415,10 @@ class Relay:
         the blocks pinned for it, as for a client that left, instead of their staying
         pinned until the prefill engine's lease on them ends (vLLM: 480 s), which any
         client could use to fill a prefill engine's cache. Best effort, within the hand-off
-        grace: the client's answer is the refusal, whatever the drain gives."""
+        grace (shielded from the client's leaving, as a hand-off is): the client's answer
+        is the refusal, whatever the drain gives."""
         body = handshake.drain_body(self.body, prefilled.kv_transfer_params)
-        with anyio.move_on_after(self.router.settings.handoff_grace):
+        with self._engine_has_it(), anyio.move_on_after(self.router.settings.handoff_grace):
             with contextlib.suppress(UpstreamError):
                 drained = await self.router.upstream.post(
                     node.url + self.path, body, self.request_id, self.via, b""

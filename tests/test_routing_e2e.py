@@ -11,7 +11,7 @@ import openai
 import zmq
 
 from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
-from tests.helpers import RouterProcess, wait_for
+from tests.helpers import RawClient, RouterProcess, wait_for
 from tests.lying_engine import STREAM, LyingEngine, chunk, error_event, events, http, then
 
 ENGINE = ["--block-size", "4"]
@@ -239,6 +239,24 @@ def test_a_request_the_decode_engine_refuses_leaves_no_kv_pinned_on_the_prefill_
             router.assert_idle()
             stats = fleet.prefill[0].stats()
             assert (stats["requests"], stats["transfers"], stats["blocks_pinned"]) == (2, 2, 0)
+
+
+def test_a_client_that_leaves_while_the_refused_kv_is_drained_leaves_none_pinned() -> None:
+    """The drain is the engines' business, like a hand-off: shielded from the client's
+    leaving within ``--handoff-grace``. Before, a client gone mid-drain cancelled it, and
+    the blocks stayed pinned for the prefill engine's lease."""
+    decode = [*DECODE, "--max-model-len", "64"]
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=decode) as fleet:
+        fleet.decode[0].configure(accept_delay=1.0)  # the drain's pull waits this long
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode)) as router:
+            body = {"model": "sim-model", "prompt": "a b c d e f", "max_tokens": 100}
+            client = RawClient(router.url, "/v1/completions", body)
+            wait_for(lambda: fleet.prefill[0].stats()["blocks_pinned"] > 0, what="the prefill")
+            time.sleep(0.3)  # the decode engine's refusal, and its drain under way
+            client.hang_up()
+            router.assert_idle()
+            wait_for(lambda: fleet.prefill[0].stats()["blocks_pinned"] == 0, what="the KV pulled")
+            assert fleet.prefill[0].stats()["transfers"] == 1
 
 
 def test_a_decode_engine_that_failed_a_request_is_not_predicted_to_hold_its_prompt() -> None:
