@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from pd_router.admin import abort_here, admin_routes
@@ -335,7 +335,16 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
             if path.endswith("/") and path.rstrip("/") in paths:
                 message += f" (did you mean {path.rstrip('/')}?)"
         response = error_response(NoRoute(message, status=status))
-        response.headers.update(exc.headers or {})  # 405's Allow
+        if status == 405:
+            # Every method of the path: Starlette's Allow names those of its first route
+            # only (GET and POST /admin/nodes are two).
+            allowed = {
+                method
+                for route in routes
+                if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+                for method in route.methods or ()
+            }
+            response.headers["Allow"] = ", ".join(sorted(allowed))
         return response
 
     rest = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})

@@ -532,6 +532,7 @@ def test_failed_large_requests_give_their_memory_back(router: RouterProcess) -> 
     [
         ("GET", "/", 404, "no route GET /"),
         ("GET", "/v1/completions", 405, "GET is not allowed on /v1/completions"),
+        ("PUT", "/admin/nodes", 405, "PUT is not allowed on /admin/nodes"),
         ("POST", "/v1/completions/", 404, "did you mean /v1/completions?"),
         # The admin API is on here (--admin-token): a path it lacks is just not there.
         ("GET", "/admin/node", 404, "no route GET /admin/node"),
@@ -543,6 +544,9 @@ def test_other_routes_and_methods_get_openai_errors_not_redirects(
     response = httpx.request(method, router.url + path, headers={"host": "evil.example"})
     assert response.status_code == status and says in error_of(response)["message"]
     assert "location" not in response.headers
+    if status == 405:  # every method the path takes (/admin/nodes: two routes)
+        allowed = {"/v1/completions": "POST", "/admin/nodes": "GET, HEAD, POST"}
+        assert response.headers["allow"] == allowed[path]
 
 
 def test_events_over_the_limit_fail_their_own_requests_and_say_nothing_against_the_engine(
