@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import secrets
+import socket
 from urllib.parse import urlsplit
 
 from pd_router.errors import LoopDetected
@@ -71,29 +72,34 @@ def own_address(url: str, host: str, port: int, hostname: str = "") -> bool:
     listening = host.strip("[]").lower()
     if listening == "localhost":
         listening = "127.0.0.1"  # what the socket was bound to (``serve.listen``: IPv4)
-    if target == listening or _same_ip(target, listening):
+    at, on = _ip(target), _ip(listening)
+    if target == listening or (at is not None and at == on):
         return True
     if listening in _WILDCARDS:
         return (
-            _loopback(target)
+            (at is not None and at.is_loopback)
             or target in ("localhost", *_WILDCARDS)
             or (bool(hostname) and target == hostname.lower())
         )
-    return _loopback(listening) and target == "localhost"
+    return on is not None and on.is_loopback and target == "localhost"
 
 
 _DEFAULT = {"http": 80, "https": 443}
 
 
-def _same_ip(a: str, b: str) -> bool:
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as the address a connection to it reaches (None for a name): an IPv4-mapped
+    IPv6 address as its IPv4 one, a short IPv4 form (``127.1``) as the socket layer reads
+    it, and the unspecified address as this machine's loopback (Linux connects there)."""
     try:
-        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
     except ValueError:
-        return False
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_unspecified:
+        return ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+    return ip

@@ -46,6 +46,13 @@ def test_the_header_stays_bounded_whatever_comes_in() -> None:
         ("http://127.0.0.1", "127.0.0.1", False),
         ("http://127.0.0.1:8000", "localhost", True),
         ("http://localhost:8000", "localhost", True),
+        # Other spellings of the listening address (before, each was taken as another).
+        ("http://[::ffff:127.0.0.1]:8000", "127.0.0.1", True),
+        ("http://127.1:8000", "127.0.0.1", True),
+        ("http://0.0.0.0:8000", "127.0.0.1", True),  # nosec B104: Linux connects to loopback
+        ("http://[::]:8000", "::1", True),
+        ("http://[::ffff:10.0.0.1]:8000", "10.0.0.1", True),
+        ("http://0.0.0.0:8000", "10.0.0.1", False),  # nosec B104
     ],
 )
 def test_the_routers_own_address(url: str, host: str, own: bool) -> None:
