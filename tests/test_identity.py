@@ -117,7 +117,9 @@ def test_an_added_node_joins_and_serves_from_its_first_good_probe(fleet: SimFlee
     with router_for(fleet) as router:
         added = admin(router, "POST", "/nodes", json={"url": url, "role": "decode", "slots": 4})
         assert added.status_code == 201
-        assert added.json()["state"] == "joining" and added.json()["reason"] == "not yet probed"
+        # Probed before the answer: joining, and why (before, "not yet probed" whatever
+        # its probes said).
+        assert added.json()["state"] == "joining" and added.json()["reason"] == "probe refused"
         # Nothing listens there: a node taken as serving would have taken (and failed) some.
         assert [complete(router, f"while joining {i}") for i in range(6)] == [200] * 6
         assert nodes_at(router, port)[0]["state"] == "joining"

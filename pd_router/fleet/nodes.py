@@ -137,6 +137,8 @@ class Node:
             self.request_hard_failures += hard
         self.successes = 0
         self.last_error = failure.message
+        if self.state is State.JOINING:
+            self.reason = failure.kind  # why it still does not serve: no longer unprobed
         if self.state in (State.DEAD, State.JOINING, State.DRAINING):
             # A draining node takes no new work whatever its health, and what it holds is
             # let finish: an engine shutting down gracefully (a pod scaled down) refuses

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pd_router.discovery import rules
+from pd_router.errors import Evidence
 from pd_router.fleet.membership import LocalMembership, Record, apply
-from pd_router.fleet.nodes import State, make_nodes, normalise_url
+from pd_router.fleet.nodes import Failure, State, make_nodes, normalise_url
 from pd_router.fleet.registry import Fleet
 
 
@@ -62,7 +63,10 @@ async def test_adding_an_engine_again_changes_its_node() -> None:
     assert again is first and again.id == 2 and again.slots == 4 and again.labels == {"zone": "b"}
     # Drained no more, and as before its drain: joining until its first good probe (before,
     # serving with no engine ever heard from).
-    assert again.state is State.JOINING
+    assert again.state is State.JOINING and again.reason == "not yet probed"
+    # Its probes failing: joining still, and the reason says why (not "not yet probed").
+    fleet.failed(again, Failure("probe refused", "connection refused", Evidence.FATAL), probe=True)
+    assert (again.state, again.reason) == (State.JOINING, "probe refused")
     fleet.probed(again)
     assert again.state is State.SERVING
     assert fleet.pool.capacity == 2 + 4 and len(fleet.nodes) == 3
