@@ -64,6 +64,9 @@ REMOVED_KEPT = 600.0
 # Removed nodes' records one reconciliation drops at most: ~3 ms of Redis's time (which no
 # router's request gets meanwhile); more go round by round.
 PRUNE_BATCH = 500
+# Pruned removals a router remembers, to put back if Redis loses the fleet (~300 bytes
+# each).
+PRUNED_MEMORY = 65536
 
 
 def _per_router(reply: Any) -> bool:
@@ -106,6 +109,9 @@ class SharedFleet:
         self._flagged: list[tuple[Node, int]] = []
         # The fleet as last read from Redis: what is put back if Redis loses it.
         self.records: dict[int, Record] = {}
+        # The removals whose records were pruned that this router heard of (the oldest
+        # forgotten past ``PRUNED_MEMORY``): put back with the fleet if Redis loses it.
+        self._pruned: dict[tuple[Role, str], Record] = {}
         # Verdicts found here that Redis has not taken yet (by node: a node found dead
         # before this router registered still has the id of its flags' order), each with the
         # node's incarnation then ("" before this router read the fleet): a verdict on an
@@ -225,6 +231,7 @@ class SharedFleet:
             node.id = node_id
             if how:  # removed, and its record dropped since: ``_sync`` removes it here
                 self.records[node_id] = _removed(Record.of(node), how)
+                self._remember(self.records[node_id])
         self._flagged, self._configured = self._configured, None
 
     async def _put_back(self, missing: list[Record]) -> dict[tuple[Role, str], str]:
@@ -235,16 +242,30 @@ class SharedFleet:
         for r in missing:
             args += [r.role, r.url, r.body().decode(), r.admin_value, str(r.id)]
         _, pruned = await self._nodes(["adopt", self.router_id, *args])
-        return {(r.role, r.url): how for r, how in zip(missing, pruned) if how}
+        told = {(r.role, r.url): how for r, how in zip(missing, pruned) if how}
+        for r in missing:
+            if how := told.get((r.role, r.url)):
+                self._remember(_removed(r, how))
+        return told
+
+    def _remember(self, removed: Record) -> None:
+        self._pruned.pop((removed.role, removed.url), None)
+        self._pruned[removed.role, removed.url] = removed
+        if len(self._pruned) > PRUNED_MEMORY:
+            del self._pruned[next(iter(self._pruned))]
 
     async def _sync(self) -> None:
         """Read the fleet and make the local one match (the lock held)."""
         records, verdicts = await self._read()
         if missing := _missing(self.records, records):
             pruned = await self._put_back(missing)
-            records, verdicts = await self._read()
             if lost := [r for r in missing if (r.role, r.url) not in pruned]:
                 log.warning("the shared state had lost %d nodes of the fleet: put back", len(lost))
+                # The removals pruned before go back too: a router with such a URL in its
+                # flags would find no record, and add it again.
+                known = {(r.role, r.url) for r in (*missing, *self.records.values())}
+                await self._put_back([r for k, r in self._pruned.items() if k not in known])
+            records, verdicts = await self._read()
             for r in missing:
                 how = pruned.get((r.role, r.url))
                 # Removed (and pruned) while this router heard nothing, or still has
@@ -361,7 +382,8 @@ class SharedFleet:
 
     async def prune(self) -> int:
         """Removed nodes' records kept long enough dropped (``scripts.PRUNE``): how many."""
-        dropped: int = await self._run(_PRUNE, [str(int(self.kept * 1000)), str(PRUNE_BATCH)])
+        args = [str(int(self.kept * 1000)), str(PRUNE_BATCH), self.router_id]
+        dropped: int = await self._run(_PRUNE, args)
         return dropped
 
     async def _reload(self) -> None:

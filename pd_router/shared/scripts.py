@@ -624,6 +624,8 @@ GRANTS = "{pdr}:grant:"
 # * ``{pdr}:removed-at`` hash: node id -> when it was removed (ms, Redis's clock)
 # * ``{pdr}:pruned``    hash: node id -> the admin state of a removed node whose record
 #   PRUNE dropped (``removed``, ``removed forced``): read by id only, never listed
+# * ``{pdr}:pruners``   hash: router id -> when it last called PRUNE (the live routers that
+#   know records are pruned)
 # * ``{pdr}:in-flight:R`` hash: node id -> requests router R has on it, expiring with R's
 #   lease (rewritten while it lives)
 # * ``{pdr}:prober``    the router that probes the engines for the whole fleet, expiring
@@ -722,9 +724,13 @@ return 1
 
 # ARGV: router, node id, verdict, the node's incarnation when it was found ("": not known)
 # -> 1, or 0 when the node was added again since (the verdict was on its old incarnation)
-# or removed and pruned
+# or was removed and pruned (a removal an older router's add left in ``pruned`` is not one:
+# the node has a record)
 VERDICT = _COMMON + """
-if redis.call('HEXISTS', P .. 'pruned', ARGV[2]) == 1 then return 0 end
+if redis.call('HEXISTS', P .. 'pruned', ARGV[2]) == 1
+    and redis.call('HEXISTS', P .. 'nodes', ARGV[2]) == 0 then
+  return 0
+end
 local now = as_count(redis.call('HGET', P .. 'incarnation', ARGV[2])) or 0
 if ARGV[4] ~= '' and now > tonumber(ARGV[4]) then return 0 end
 redis.call('HSET', P .. 'health', ARGV[2], ARGV[3])
@@ -732,7 +738,9 @@ redis.call('PUBLISH', P .. 'fleet', ARGV[1])
 return 1
 """
 
-# ARGV: ms a removed node's record is kept, most records to drop -> the number dropped.
+# ARGV: ms a removed node's record is kept, most records to drop, the router -> the number
+# dropped. Nothing is dropped while a live router has not called PRUNE (``pruners``): a
+# router of an older version would take a node without a record as one it may serve.
 # A removed node is timed from its removal (ADMIN; one removed by an older version, from
 # the first call that sees it). Past ``ms``, and once no live router counts requests on it
 # (``in-flight:R``: a long stream still running there) nor reserves a slot on its URL,
@@ -743,9 +751,15 @@ return 1
 # dropped at once held it 130 ms).
 PRUNE = _COMMON + """
 local now, kept, left, stamps = now_ms(), tonumber(ARGV[1]), tonumber(ARGV[2]), 0
-local busy = {}
+redis.call('HSET', P .. 'pruners', ARGV[3], now)
+local busy, live = {}, {}
 for _, router in ipairs(redis.call('HKEYS', P .. 'routers')) do
+  if redis.call('HEXISTS', P .. 'pruners', router) == 0 then return 0 end
+  live[router] = true
   for _, id in ipairs(redis.call('HKEYS', P .. 'in-flight:' .. router)) do busy[id] = true end
+end
+for _, router in ipairs(redis.call('HKEYS', P .. 'pruners')) do
+  if not live[router] and router ~= ARGV[3] then redis.call('HDEL', P .. 'pruners', router) end
 end
 local states = redis.call('HGETALL', P .. 'admin')
 for i = 1, #states, 2 do

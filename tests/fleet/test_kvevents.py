@@ -172,6 +172,9 @@ def test_blocks_of_another_size_are_garbage_and_what_events_teach_is_bounded() -
     big = ["BlockStored", [b"x0", b"x1"], None, list(range(2 * 1024)), 1024, None, None]
     with pytest.raises(EventError, match="1024-token blocks after 16-token ones"):
         streams.apply(0, batch(1, big))
+    # The engine restarted with another block size (its count starts again): taken.
+    streams.apply(0, batch(0, ["BlockStored", [b"y0", b"y1"], None, list(range(64)), 32]))
+    assert streams.streams[0].block_size == 32
     view.set_capacity(0, 10**12)
     assert view.of(0).capacity == MAX_CACHE_TOKENS // CHUNK_TOKENS
 

@@ -249,6 +249,7 @@ async def test_a_removed_nodes_record_is_dropped_after_a_while_and_its_removal_s
     no other URL ever gets that id."""
     await redis.call("FLUSHALL")
     async with router(redis_server, decode=[D0, D1], kept=0.0) as a, router(redis_server) as b:
+        await b.prune()  # as every router does at its reconciliations: b knows of pruning
         a_d1 = node_on(a, 2)
         await a.drain(a_d1)
         await a.remove(a_d1, False)
@@ -299,13 +300,56 @@ async def test_a_removal_outlives_redis_losing_the_fleet(
             assert added.id == 4, "the removed node's id is not given again"
 
 
+async def test_a_pruned_removal_outlives_redis_losing_the_fleet(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """The routers that heard of the prune put the removal back with the fleet: a router
+    started with the URL in its flags finds it removed, not a node to serve."""
+    await redis.call("FLUSHALL")
+    async with router(redis_server, decode=[D0, D1, D2], kept=0.0) as a:
+        d2 = node_on(a, 3)
+        await a.drain(d2)
+        await a.remove(d2, False)
+        assert await a.prune() == 1
+        await a._reload()
+        await redis.call("FLUSHALL")
+        await a.pool._renew()  # what its next renewal does: it registers again
+        assert await redis.call("HGET", "{pdr}:admin", "3") == b"removed"
+        async with router(redis_server, decode=[D0, D2]) as c:
+            assert state(c, D2) is None and state(a, D2) is None
+
+
+async def test_nothing_is_pruned_while_a_router_of_an_older_version_lives(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """One that does not prune takes a node without a record for one it may serve; and a
+    verdict on a node with a record is taken whatever an older router left in ``pruned``."""
+    await redis.call("FLUSHALL")
+    async with router(redis_server, kept=0.0) as a:
+        older = "older-router"
+        seconds, micros = await redis.call("TIME")
+        lease_end = int(seconds) * 1000 + int(micros) // 1000 + 3_600_000
+        await redis.call("HSET", "{pdr}:routers", older, str(lease_end))
+        d1 = node_on(a, 2)
+        await a.drain(d1)
+        await a.remove(d1, False)
+        assert [await a.prune(), await a.prune()] == [0, 0]
+        await redis.call("HDEL", "{pdr}:routers", older)
+        assert await a.prune() == 1
+        await a.add(D1, "decode", 2, {})
+        await redis.call("HSET", "{pdr}:pruned", "2", "removed")  # as an older router's add
+        assert await a._run(VERDICT, [a.router_id, "2", b'{"state": "dead"}', ""]) == 1
+
+
 async def test_a_router_that_missed_a_removal_follows_it_after_the_record_was_dropped(
     redis_server: RedisServer, redis: Redis
 ) -> None:
     """b hears nothing while the node is removed and its record dropped: its next reload
     finds the removal all the same and fails what runs there, once (the removal was
     forced)."""
+    await redis.call("FLUSHALL")
     async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
+        await b.prune()
         b_d1 = node_on(b, 2)
         heard = anyio.Event()
         b_reload, b_run = b._reload, b._run
@@ -341,7 +385,9 @@ async def test_a_node_with_requests_still_on_it_keeps_its_record(
     """A request that started on b after the removal's count runs on, the node drained
     there: its record stays while b counts it (so an operator can still force it out),
     and goes once the request ended, the node's slots with it."""
+    await redis.call("FLUSHALL")
     async with router(redis_server, kept=0.0) as a, router(redis_server) as b:
+        await b.prune()
         b_d1, a_d1 = node_on(b, 2), node_on(a, 2)
         request = Request("r2")
         with b.fleet.bind(request, b_d1):
