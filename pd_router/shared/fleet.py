@@ -64,8 +64,8 @@ REMOVED_KEPT = 600.0
 # Removed nodes' records one reconciliation drops at most: ~3 ms of Redis's time (which no
 # router's request gets meanwhile); more go round by round.
 PRUNE_BATCH = 500
-# Pruned removals a router remembers, to put back if Redis loses the fleet (~300 bytes
-# each).
+# Pruned removals a router remembers, to put back if Redis loses the fleet (~250 bytes
+# each: 16 MB at most).
 PRUNED_MEMORY = 65536
 
 
@@ -111,7 +111,7 @@ class SharedFleet:
         self.records: dict[int, Record] = {}
         # The removals whose records were pruned that this router heard of (the oldest
         # forgotten past ``PRUNED_MEMORY``): put back with the fleet if Redis loses it.
-        self._pruned: dict[tuple[Role, str], Record] = {}
+        self._pruned: dict[tuple[Role, str], tuple[int, bool]] = {}  # (id, forced)
         # Verdicts found here that Redis has not taken yet (by node: a node found dead
         # before this router registered still has the id of its flags' order), each with the
         # node's incarnation then ("" before this router read the fleet): a verdict on an
@@ -250,9 +250,18 @@ class SharedFleet:
 
     def _remember(self, removed: Record) -> None:
         self._pruned.pop((removed.role, removed.url), None)
-        self._pruned[removed.role, removed.url] = removed
+        self._pruned[removed.role, removed.url] = (removed.id, removed.forced)
         if len(self._pruned) > PRUNED_MEMORY:
             del self._pruned[next(iter(self._pruned))]
+
+    def _remembered(self, known: set[tuple[Role, str]]) -> list[Record]:
+        """The pruned removals remembered, but those of ``known`` nodes, as records (their
+        slots and labels do not matter: an add writes its own)."""
+        return [
+            Record(node_id, role, url, 1, admin="removed", forced=forced)
+            for (role, url), (node_id, forced) in self._pruned.items()
+            if (role, url) not in known
+        ]
 
     async def _sync(self) -> None:
         """Read the fleet and make the local one match (the lock held)."""
@@ -264,7 +273,7 @@ class SharedFleet:
                 # The removals pruned before go back too: a router with such a URL in its
                 # flags would find no record, and add it again.
                 known = {(r.role, r.url) for r in (*missing, *self.records.values())}
-                await self._put_back([r for k, r in self._pruned.items() if k not in known])
+                await self._put_back(self._remembered(known))
             records, verdicts = await self._read()
             for r in missing:
                 how = pruned.get((r.role, r.url))
