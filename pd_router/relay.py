@@ -463,12 +463,13 @@ class Relay:
         None: the client left and the engine did not answer within the grace."""
         prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        prompt = prompt if prefill.reads_prompt else None
+        # Described for ``--max-local-prefill`` alone (``prefix``): calibrated all the same.
+        described, prompt = prompt, (prompt if prefill.reads_prompt else None)
         first = prefill.pick(key, model=self.model, prompt=prompt)
         if first is None:
             raise Unavailable("no live prefill node")
         try:
-            return await self._prefill_on(first, binding, key, prompt)
+            return await self._prefill_on(first, binding, key, prompt, described)
         except UpstreamError as error:
             retry = error.engine_fault and not self.client_gone
             second = (
@@ -483,11 +484,18 @@ class Relay:
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding, key, prompt)
+            return await self._prefill_on(second, binding, key, prompt, described)
 
     async def _prefill_on(
-        self, node: Node, binding: Binding, key: int, prompt: Prompt | None
+        self,
+        node: Node,
+        binding: Binding,
+        key: int,
+        prompt: Prompt | None,
+        described: Prompt | None,
     ) -> handshake.Prefilled | None:
+        """``prompt``: for the prefill policy (None if it reads none); ``described``: the
+        prompt as described, if it was (it calibrates the estimate of text)."""
         fleet = self.router.fleet
         # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
         # the prefill policy counts them.
@@ -536,10 +544,10 @@ class Relay:
             fleet.served(node)
             if trace is not None:
                 trace.prefilled(prefilled.prompt_details)
-            if prompt is not None:
-                fleet.kv.calibrate(prompt, prefilled.prompt_tokens)
-                if prefilled.prompt_token_ids is not None:
-                    fleet.kv.learn(node.id, prompt, prefilled.prompt_token_ids)
+            if described is not None:
+                fleet.kv.calibrate(described, prefilled.prompt_tokens)
+            if prompt is not None and prefilled.prompt_token_ids is not None:
+                fleet.kv.learn(node.id, prompt, prefilled.prompt_token_ids)
         return prefilled
 
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import zmq
 
 from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
@@ -61,6 +62,30 @@ def test_a_short_prompt_is_computed_by_its_decode_engine_alone() -> None:
             lines = [line for line in router.log().splitlines() if "request_id=" in line]
         assert [("local_prefill=True" in line) for line in lines] == [True, False, True]
         assert "prefill_node=None" in lines[0] and "predicted_cached=0" in lines[0]
+
+
+@pytest.mark.parametrize("policy", ["prefix", "cost"])
+def test_max_local_prefill_counts_engine_tokens_under_every_policy(policy: str) -> None:
+    """The sim counts a word ("a ": 2 bytes) as a token, the router's first guess 4 bytes:
+    once prefill answers have taught it, a 190-token prompt is not short for a limit of 100.
+    Before, under ``prefix`` (the default) nothing calibrated, and it was computed locally;
+    and a completion with a stray (ignored) ``messages`` was described by it, 3,000 tokens
+    computed by a decode engine whatever the limit."""
+    with SimFleet(1, 1, prefill_args=ENGINE, decode_args=DECODE) as fleet:
+        args = ["--prefill-policy", policy, "--max-local-prefill", "100", "--log-level", "info"]
+        with RouterProcess(urls(fleet.prefill), urls(fleet.decode), *args) as router:
+            client = client_for(router)
+            for index in range(3):
+                client.completions.create(
+                    model="sim-model", prompt=f"{index} " + "a " * 1000, max_tokens=2
+                )
+            client.completions.create(model="sim-model", prompt="b " * 190, max_tokens=2)
+            client.completions.create(
+                model="sim-model", prompt="c " * 3000, max_tokens=2, extra_body={"messages": []}
+            )
+            assert fleet.prefill[0].stats()["requests"] == 5
+            lines = [line for line in router.log().splitlines() if "request_id=" in line]
+            assert all("local_prefill=False" in line for line in lines), lines
 
 
 def test_without_max_local_prefill_every_prompt_goes_to_a_prefill_engine() -> None:

@@ -73,6 +73,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
             raise BadRequest(f"'{key}' must be a positive integer, got {_got(value)}", param=key)
     # Never let a client steer a decode engine to an arbitrary host.
     body.pop("kv_transfer_params", None)
+    # The other endpoint's prompt field, which the engine ignores: the router would take it
+    # for the prompt (its key, its length for --max-local-prefill).
+    body.pop("messages" if endpoint == "completions" else "prompt", None)
     return body
 
 

@@ -45,6 +45,11 @@ DEFAULT_CACHE_TOKENS = 262_144
 # The most an engine's events may say its cache holds (an 80 GB GPU holds ~10 M tokens of a
 # 0.5B model's KV): the prediction of what it holds is bounded by it, ~26 MB a node.
 MAX_CACHE_TOKENS = 1 << 24
+# Engine tokens per estimated token (4 bytes of text) one answer may teach: a tokenizer
+# gives 0.5-2 for text in any script. Beyond is no text (a base64 image: 1,200 tokens for
+# 1 MB) and, taken as the ratio, would make every text prompt "short" (``--max-local-
+# prefill``) and the predicted caches as large.
+RATIOS = (0.25, 4.0)
 
 
 @dataclass(slots=True)
@@ -144,7 +149,8 @@ class Holdings:
     def resize(self, capacity_tokens: int, ratio: float) -> None:
         """Hold ``capacity_tokens`` engine tokens, at ``ratio`` engine tokens per estimated
         token; what is beyond goes at the next ``insert``."""
-        self.capacity = max(int(capacity_tokens / (CHUNK_TOKENS * ratio)), 1)
+        chunks = int(capacity_tokens / (CHUNK_TOKENS * ratio))
+        self.capacity = min(max(chunks, 1), MAX_CACHE_TOKENS // CHUNK_TOKENS)
 
     def held(self, chunks: Sequence[int]) -> int:
         """How many leading chunks of a prompt this engine holds (what is held is
@@ -297,6 +303,8 @@ class KvView:
         if engine_tokens <= 0:
             return
         seen = engine_tokens / prompt.estimate
+        if not RATIOS[0] <= seen <= RATIOS[1]:
+            return
         if self._calibrated:
             self.ratio += CALIBRATION_WEIGHT * (seen - self.ratio)
         else:

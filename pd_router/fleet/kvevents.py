@@ -235,7 +235,7 @@ class EventStream:
             # The publisher's count started again: a new engine process, an empty cache,
             # followed from its start (whole if from its first batch).
             self.restarts += 1
-            self.forget(holdings, empty=batch.seq == 0)
+            self.forget(holdings, empty=batch.seq == 0, restarted=True)
             self.in_order = True
         elif batch.seq != self.seq + 1:
             self.fault("gap", f"missed batches {self.seq + 1}-{batch.seq - 1}", now)
@@ -283,9 +283,12 @@ class EventStream:
                 self.clears += 1
                 self.forget(holdings, empty=True)
 
-    def forget(self, holdings: Holdings, empty: bool = False) -> None:
-        """The engine holds nothing the router knows of: nothing at all if ``empty``."""
+    def forget(self, holdings: Holdings, empty: bool = False, restarted: bool = False) -> None:
+        """The engine holds nothing the router knows of: nothing at all if ``empty``; a new
+        process if ``restarted`` (its blocks may be of another size: learned again)."""
         self.index.clear(empty)
+        if restarted:
+            self.index.block_size = 0
         holdings.clear()
 
     def view(self) -> dict[str, Any]:
@@ -353,7 +356,7 @@ class EventStreams:
                 # cache, and says so only with its first events, after the first requests
                 # were picked); a connection back to the same process costs only what the
                 # router then learns again.
-                stream.forget(self.view.of(node_id))
+                stream.forget(self.view.of(node_id), restarted=True)
             self._state(node_id, stream)
 
     def settle(self) -> None:

@@ -210,7 +210,6 @@ class BlockIndex:
         self._gone.clear()
         self.blocks = 0
         self.whole = empty
-        self.block_size = 0  # learned again: a restarted engine may have another
 
     def held(self, keys: Sequence[int], count: int) -> int:
         """How many of the first ``count`` blocks of ``keys`` the engine holds."""

@@ -188,3 +188,21 @@ async def test_concurrent_prefills_spread_and_leave_no_waiting_work(anyio_backen
         assert max(used.values()) - min(used.values()) <= 2, used
         started.set()
     assert isinstance(policy, Cost) and not policy.waiting
+
+
+def test_what_answers_teach_of_tokens_is_bounded_to_what_text_can_be() -> None:
+    """One answer for a prompt that is mostly an image's base64 (1 MB: ~1,200 tokens) taught
+    a ratio of 0.005: every text prompt then looked short to ``--max-local-prefill``, and
+    every engine's predicted cache was 200 times as large. Outside 0.25-4 tokens per 4 bytes,
+    an answer teaches nothing; the predicted cache stays bounded whatever the ratio."""
+    view = KvView(cache_tokens=1 << 24)
+    image = describe({"model": "m", "messages": [{"role": "user", "content": "x" * 1_000_000}]})
+    view.calibrate(image, 1200)
+    assert view.ratio == 1.0
+    text = describe({"model": "m", "prompt": "a " * 1000})
+    view.calibrate(text, 1000)
+    assert view.ratio == 2.0
+    assert describe({"model": "m", "prompt": "b " * 190}, view.ratio).tokens == 190
+    view.calibrate(text, 125)  # 0.25: the lowest an answer may say
+    assert view.ratio < 2.0
+    assert Holdings(1 << 30, 0.25).capacity == (1 << 24) // CHUNK_TOKENS
