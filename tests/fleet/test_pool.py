@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 
@@ -40,8 +42,11 @@ async def test_queue_timeout_fires_and_names_the_wait() -> None:
     started = anyio.current_time()
     with pytest.raises(QueueTimeout) as caught:
         await pool.acquire(0.2)
-    assert 0.19 <= anyio.current_time() - started < 1.0
-    assert caught.value.message == "no decode node free after waiting 0.2s"
+    elapsed = anyio.current_time() - started
+    assert 0.19 <= elapsed < 1.0
+    # The wait it names is the one it had (a loaded machine wakes the waiter late).
+    said = re.fullmatch(r"no decode node free after waiting (\d+\.\d)s", caught.value.message)
+    assert said is not None and 0.2 <= float(said[1]) <= elapsed + 0.05
     assert pool.queue_depth == 0
     held.release()
     assert_idle(pool)
