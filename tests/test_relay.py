@@ -13,7 +13,7 @@ import anyio
 import orjson
 import pytest
 
-from pd_router.errors import UpstreamError
+from pd_router.errors import Unavailable, UpstreamError
 from pd_router.fleet.nodes import Node
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router, Settings
@@ -456,3 +456,76 @@ async def test_a_model_name_cannot_forge_fields_or_lines_in_the_request_log(
     (line,) = (record.getMessage() for record in caplog.records)
     assert "\n" not in line
     assert ' model="m outcome=ok\\nrequest 2" outcome=ok ' in line
+
+
+async def test_a_failure_from_outside_interrupts_a_shielded_prefill_at_once() -> None:
+    """A verdict on the node (it died), a stall or the end of the shutdown bound ``fail`` a
+    request: the prefill's shield (the client's leaving must not strand the KV) must not
+    hold it until the engine answers (a hung one: ``--read-timeout``, 600 s)."""
+    upstream = ScriptedUpstream()
+    router = make_router(upstream)
+    client = Client()
+    in_prefill = anyio.Event()
+
+    async def hung() -> None:
+        in_prefill.set()
+        await anyio.sleep(10)  # shielded: only ``fail`` ends it sooner
+
+    upstream.on_prefill_read = hung
+    relay = Relay(router, "completions", dict(BODY), "r-fail")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(relay, {}, client.receive, client.send)
+        await in_prefill.wait()
+        started = anyio.current_time()
+        relay.fail(Unavailable("prefill node 0 is dead"))
+    assert anyio.current_time() - started < 5
+    assert client.messages[0]["status"] == 503
+    assert orjson.loads(client.messages[1]["body"])["error"]["message"] == (
+        "prefill node 0 is dead"
+    )
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+async def test_a_client_gone_before_the_hand_off_gives_the_decode_engine_the_grace_only() -> None:
+    """The client left while the prefill was computed: the drain that hands the KV over is
+    bounded by ``--handoff-grace`` from the start, not by the read timeout."""
+    upstream = ScriptedUpstream()
+    router = make_router(upstream, grace=0.2)
+    client = Client()
+
+    async def leave() -> None:
+        with anyio.CancelScope(shield=True):
+            client.gone.set()
+            await anyio.sleep(0.05)
+
+    async def never() -> None:
+        await anyio.sleep(10)  # shielded: only the grace ends it sooner
+
+    upstream.on_prefill_read = leave
+    upstream.decode_headers = never
+    started = anyio.current_time()
+    await Relay(router, "completions", dict(BODY), "r-grace")(
+        {}, client.receive, client.send  # type: ignore[arg-type]
+    )
+    assert anyio.current_time() - started < 5
+    assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
+    assert outcomes(router) == {("completions", "client_aborted"): 1}
+
+
+async def test_a_request_handed_to_another_decode_node_gives_the_first_its_slot_back() -> None:
+    """Out of reach, the first node's slot is released as the request moves, not when the
+    request ends: its queue would wait for the whole stream on the other node."""
+    upstream = ScriptedUpstream()
+    upstream.unreachable["http://decode0"] = UpstreamError(
+        "http://decode0: unreachable: refused", kind="unreachable"
+    )
+    router = make_router(upstream, decodes=2)
+    d0, d1 = router.fleet.pool.nodes
+    seen: list[tuple[int, int]] = []
+
+    async def look() -> None:
+        seen.append((d0.in_use, d1.in_use))
+
+    upstream.on_decode_read = look
+    await served(router, dict(BODY))
+    assert seen == [(0, 1)]

@@ -10,6 +10,7 @@ clients get, ``test_liveness*`` about what the router concludes of an engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -27,6 +28,7 @@ from tests.helpers import RouterProcess, wait_for
 from tests.lying_engine import (
     COMPLETION,
     STREAM,
+    STREAM_HEAD,
     Flood,
     Lie,
     LyingEngine,
@@ -345,6 +347,85 @@ def test_an_engine_that_holds_its_body_open_after_done_does_not_hold_the_slot(
         wait_for(lambda: router.in_use() == 0, timeout=15, what="the slot back")
         assert time.monotonic() - started < 15
     assert router.metrics()[ok] >= before + 1
+
+
+def test_an_engine_that_sends_on_after_done_does_not_hold_the_slot(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """As one that holds its body open, but sending junk chunks for ever: the client has its
+    answer at ``[DONE]``, and the slot is back within ``AFTER_DONE``, not at the end of a
+    body that never ends."""
+
+    async def babble(writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD)
+        writer.write(chunk(events(token(" 0"), b"[DONE]")))
+        while True:
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(chunk(b"junk after the end\n\n"))
+
+    liar.lies["babble"] = babble
+    with attacked(router):
+        response = httpx.post(f"{router.url}/v1/completions", json=lie("babble", stream=True))
+        assert response.content == events(token(" 0"), b"[DONE]")
+        wait_for(lambda: router.in_use() == 0, timeout=15, what="the slot back")
+
+
+def test_a_stream_longer_than_the_read_timeout_flows_whole_while_bytes_come() -> None:
+    """``--read-timeout`` is the longest silence, not the longest stream: a poured stream
+    (the engine connection's callback writes to the client) moves the deadline with each
+    read."""
+    with SimFleet(1, 1) as fleet:
+        fleet.decode[0].configure(itl=0.15)
+        urls = [fleet.prefill[0].url], [fleet.decode[0].url]
+        with RouterProcess(*urls, "--read-timeout", "1") as router:
+            body = {**BODY, "max_tokens": 16, "stream": True, "ignore_eos": True}
+            started = time.monotonic()
+            response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+            assert time.monotonic() - started > 2, "the stream outlasted the read timeout"
+            assert response.status_code == 200
+            assert response.content.endswith(b"data: [DONE]\n\n")
+            assert b'"error"' not in response.content
+            router.assert_idle()
+
+
+def test_a_client_that_stops_reading_for_a_while_then_reads_on_gets_its_whole_answer(
+    router: RouterProcess, liar: LyingEngine
+) -> None:
+    """Its buffer full, the router holds the engine back; once it reads again, the engine
+    is read again (``when_writable``): the answer goes on to its end."""
+    flood = Flood()
+    piece = chunk(events(*[token(" flood")] * 64))
+    pieces = 6000  # ~27 MB: more than the sockets and the router's buffers hold
+
+    async def long_answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM_HEAD)
+        for _ in range(pieces):
+            writer.write(piece)
+            await writer.drain()
+            flood.sent += len(piece)
+        writer.write(chunk(events(b"[DONE]")) + b"0\r\n\r\n")
+        await writer.drain()
+
+    liar.lies["long"] = long_answer
+    body = json.dumps(lie("long", stream=True)).encode()
+    with attacked(router):
+        with socket.create_connection(("127.0.0.1", router.port)) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            wait_for(lambda: flood.sent > 256 << 10, what="the answer under way")
+            wait_for(lambda: stalled(flood), what="the engine held back by the router")
+            assert flood.sent < pieces * len(piece), "held mid-answer"
+            client.settimeout(30)
+            got = b""
+            while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                data = client.recv(1 << 16)
+                assert data, "the router closed the connection"
+                got += data
+        assert got.count(b"data: ") == pieces * 64 + 1
 
 
 @pytest.mark.parametrize(
