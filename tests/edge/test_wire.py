@@ -13,7 +13,14 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from pd_router.edge.protocol import WIRE, ClientLimits, ClientStats, Wire, protocol
+from pd_router.edge.protocol import (
+    WIRE,
+    ClientLimits,
+    ClientStats,
+    Departure,
+    Wire,
+    protocol,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -112,3 +119,15 @@ async def test_a_wire_writes_chunks_and_says_when_the_client_is_full_and_takes_m
         assert app.writable.is_set()
         body = dechunked(raw)
         assert body == b"first" + PIECE * (app.written // len(PIECE)) + b"afterlast"
+
+
+def test_a_departure_heard_before_anyone_listens_is_told_at_once() -> None:
+    """The client left before the request set its callback (a hang-up as it was admitted):
+    told when the callback is set, once; never again."""
+    departure = Departure()
+    departure.left(1.0)
+    seen: list[float] = []
+    departure.on_leave(seen.append)
+    assert seen == [1.0]
+    departure.left(2.0)
+    assert seen == [1.0]
