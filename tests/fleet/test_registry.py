@@ -9,7 +9,7 @@ import pytest
 from pd_router.errors import Evidence, NodeDead, RouterError, Unavailable
 from pd_router.fleet.holdings import describe
 from pd_router.fleet.nodes import Failure, HealthPolicy, Node, State
-from pd_router.fleet.registry import LOOP, LOOP_HOLD, TIMEOUT, TIMEOUT_HOLD, Fleet
+from pd_router.fleet.registry import GONE, LOOP, LOOP_HOLD, TIMEOUT, TIMEOUT_HOLD, Fleet
 
 pytestmark = pytest.mark.anyio
 
@@ -407,3 +407,97 @@ def test_a_prefill_timeout_holds_its_node_out_only_once_it_made_it_unhealthy() -
     now[0] += TIMEOUT_HOLD
     fleet.probed(prefill)
     assert prefill.state is State.SERVING
+
+
+async def test_a_node_added_to_a_full_pool_serves_the_oldest_waiter_and_counts_the_slot() -> None:
+    """``wake``: the waiters in the order they came, each slot it hands out counted."""
+    fleet = make_fleet(decode=1)
+    held = await fleet.pool.acquire(0)
+    served: list[str] = []
+
+    async def waiter(name: str) -> None:
+        async with fleet.pool.reserve(10) as reservation:
+            served.append(name)
+            await anyio.sleep(0.05)
+            assert reservation.node.in_use <= reservation.node.slots
+
+    async with anyio.create_task_group() as tg:
+        for name in "abc":
+            tg.start_soon(waiter, name)
+            while fleet.pool.queue_depth < "abc".index(name) + 1:
+                await anyio.sleep(0)
+        added = fleet.add("http://d9", "decode", 1)
+        fleet.probed(added)
+        fleet.probed(added)
+        await anyio.sleep(0)
+        assert added.in_use == 1 and fleet.pool.try_acquire() is None
+    held.release()
+    assert served == ["a", "b", "c"] and fleet.pool.in_use == 0
+
+
+async def test_with_every_node_unhealthy_a_freed_slot_reaches_the_waiter() -> None:
+    fleet = make_fleet(decode=1)
+    (d0,) = fleet.pool.nodes
+    for _ in range(3):
+        fleet.failed(d0, SLOW)
+    assert d0.state is State.UNHEALTHY
+    held = await fleet.pool.acquire(0)
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fleet.pool.acquire, 10)
+            while fleet.pool.queue_depth < 1:
+                await anyio.sleep(0)
+            held.release()
+    assert fleet.pool.queue_depth == 0
+
+
+def test_readmission_needs_good_probes_in_a_row() -> None:
+    fleet = make_fleet(decode=1)
+    (d0,) = fleet.pool.nodes
+    for _ in range(3):
+        fleet.failed(d0, SLOW, probe=True)
+    fleet.probed(d0)
+    fleet.failed(d0, SLOW, probe=True)
+    fleet.probed(d0)
+    assert d0.state is State.UNHEALTHY, "a failure between two good probes: not in a row"
+
+
+def test_what_another_router_or_a_stall_says_leaves_a_drained_node_drained() -> None:
+    """A drained node finishes what it holds: a stall, another router's dead or unhealthy
+    verdict, neither fails its requests nor puts it back into service."""
+    fleet = make_fleet(decode=2)
+    d0, d1 = fleet.pool.nodes
+    request = Request("r1")
+    with fleet.bind(request, d0):
+        fleet.drain(d0)
+        fleet.stalled(d0, [], 30.0, 60.0)
+        fleet.told(d0, State.DEAD, "unreachable", "refused (found by router x)")
+        fleet.told(d0, State.UNHEALTHY, "probe timeout", "slow (found by router x)")
+        assert d0.state is State.DRAINING and d0.id not in fleet.serving_view()
+        assert request.errors == []
+    fleet.failed(d1, REFUSED)
+    fleet.stalled(d1, [], 30.0, 60.0)
+    assert d1.state is State.DEAD, "a stall does not revive a dead node as unhealthy"
+
+
+def test_an_operators_drain_holds_a_dead_node_out_and_outlasts_dns() -> None:
+    fleet = make_fleet(decode=2)
+    d0, d1 = fleet.pool.nodes
+    fleet.failed(d0, REFUSED)
+    fleet.drain(d0)
+    fleet.probed(d0)
+    fleet.probed(d0)
+    assert d0.state is State.DRAINING, "good probes do not undo an operator's drain"
+    fleet.drain(d1, GONE)
+    fleet.drain(d1)  # the operator's now
+    assert not fleet.rejoin(d1, GONE) and d1.state is State.DRAINING
+
+
+def test_an_unhealthy_node_is_drained_before_it_is_removed() -> None:
+    fleet = make_fleet(decode=2)
+    d0, _ = fleet.pool.nodes
+    for _ in range(3):
+        fleet.failed(d0, SLOW)
+    assert d0.state is State.UNHEALTHY
+    with pytest.raises(ValueError, match="drain it first"):
+        fleet.remove(d0)
