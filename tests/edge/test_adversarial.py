@@ -408,14 +408,8 @@ def test_a_client_that_stops_reading_for_a_while_then_reads_on_gets_its_whole_an
         await writer.drain()
 
     liar.lies["long"] = long_answer
-    body = json.dumps(lie("long", stream=True)).encode()
     with attacked(router):
-        with socket.create_connection(("127.0.0.1", router.port)) as client:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            client.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
-                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-            )
+        with slow_reader(router, "long") as client:
             wait_for(lambda: flood.sent > 256 << 10, what="the answer under way")
             wait_for(lambda: stalled(flood), what="the engine held back by the router")
             assert flood.sent < pieces * len(piece), "held mid-answer"
@@ -472,15 +466,8 @@ def test_a_client_that_stops_reading_then_leaves_frees_its_slot_and_its_engine(
     router neither the slot nor the engine connection."""
     flood = Flood()
     liar.lies["flood"] = flood
-    body = json.dumps(lie("flood", stream=True)).encode()
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json"
-        b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-    )
     with attacked(router):
-        with socket.create_connection(("127.0.0.1", router.port)) as client:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            client.sendall(request)
+        with slow_reader(router, "flood"):
             wait_for(lambda: flood.sent > 1 << 20, what="the flood under way")
             wait_for(lambda: stalled(flood), what="the engine held back by the router")
             assert not flood.closed.is_set()
@@ -499,13 +486,7 @@ def test_a_client_that_stops_reading_and_stays_loses_its_request_after_send_time
         liar.lies["flood"] = flood
         args = ["--decode-slots", "1", "--send-timeout", "2", "--stall-timeout", "1"]
         with RouterProcess([sims.prefill[0].url], [liar.url], *args) as router:
-            body = json.dumps(lie("flood", stream=True)).encode()
-            with socket.create_connection(("127.0.0.1", router.port)) as client:
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-                client.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
-                    b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-                )
+            with slow_reader(router, "flood"):
                 wait_for(lambda: flood.sent > 1 << 20, what="the flood under way")
                 assert flood.closed.wait(30), "the engine's connection was closed"
                 wait_for(lambda: router.in_use() == 0, timeout=10, what="the slot back")
@@ -522,6 +503,20 @@ def test_a_client_that_stops_reading_and_stays_loses_its_request_after_send_time
                 == 1
             ), "the engine is not blamed"
             router.assert_idle()
+
+
+@contextmanager
+def slow_reader(router: RouterProcess, lie_name: str) -> Iterator[socket.socket]:
+    """A client that asked for the lie's stream and reads nothing until the test says so:
+    a small receive buffer, which it fills at once."""
+    body = json.dumps(lie(lie_name, stream=True)).encode()
+    with socket.create_connection(("127.0.0.1", router.port)) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        yield client
 
 
 def stalled(flood: Flood) -> bool:
