@@ -277,7 +277,10 @@ def test_a_client_that_leaves_while_the_refused_kv_is_drained_leaves_none_pinned
             body = {"model": "sim-model", "prompt": "a b c d e f", "max_tokens": 100}
             client = RawClient(router.url, "/v1/completions", body)
             wait_for(lambda: fleet.prefill[0].stats()["blocks_pinned"] > 0, what="the prefill")
-            time.sleep(0.3)  # the decode engine's refusal, and its drain under way
+            wait_for(
+                lambda: fleet.decode[0].stats()["requests"] == 2,
+                what="the decode engine's refusal, and its drain under way",
+            )
             client.hang_up()
             router.assert_idle()
             wait_for(lambda: fleet.prefill[0].stats()["blocks_pinned"] == 0, what="the KV pulled")
