@@ -187,6 +187,9 @@ class Relay:
         self._predicted_cached: int | None = None
         # Computed by the decode engine itself (``--max-local-prefill``).
         self._local = False
+        # The decode node whose holdings made the prompt short enough to compute there
+        # (``_computes_locally``): a request moved to another node decides again.
+        self._local_on: Node | None = None
         # What ``_predicted_cached`` came from: "prediction" or "events".
         self._cache_source = "prediction"
         self._decode_node: Node | None = None
@@ -364,21 +367,16 @@ class Relay:
             # decode engine computes the request whole, as one engine alone would.
             self._local = True
             prefilled = handshake.Prefilled.local()
-        elif prompt is not None and limit > 0 and self._computes_locally(binding.decode, prompt):
-            prefilled = handshake.Prefilled.local()
         else:
-            prefill_started = time.perf_counter()
-            remote = await self._prefill(binding, prompt)
-            if remote is None:
+            computed = await self._computed(binding, prompt)
+            if computed is None:
                 return
-            prefilled = remote
-            self._local = remote.is_local  # ended at its first token: computed by decode
-            self._prefill_seconds = time.perf_counter() - prefill_started
+            prefilled = computed
         self.outcome = "decode_error"
-        handed = await self._decode(binding, prefilled)
+        handed = await self._decode(binding, prefilled, prompt)
         if handed is None:
             return
-        answer, first = handed
+        (answer, first), prefilled = handed
         node = binding.decode
         if 400 <= answer.status < 500 and not prefilled.is_local:
             await self._drain(node, prefilled)  # the client gone or not
@@ -426,20 +424,43 @@ class Relay:
                 self._open.append(drained)
                 await drained.read()
 
+    async def _computed(
+        self, binding: Binding, prompt: Prompt | None
+    ) -> handshake.Prefilled | None:
+        """The prompt computed by the request's decode node itself if what it lacks there is
+        short (``--max-local-prefill``), else by a prefill engine. None: the client left and
+        the prefill engine did not answer within the grace."""
+        limit = self.router.settings.max_local_prefill
+        if prompt is not None and limit > 0 and self._computes_locally(binding.decode, prompt):
+            return handshake.Prefilled.local()
+        self._local = False
+        started = time.perf_counter()
+        prefilled = await self._prefill(binding, prompt)
+        if prefilled is not None:
+            self._local = prefilled.is_local  # ended at its first token: computed by decode
+            self._prefill_seconds = time.perf_counter() - started
+        return prefilled
+
     def _computes_locally(self, node: Node, prompt: Prompt) -> bool:
         """Whether the decode node computes the prompt itself: what it does not hold is
         short enough that sending it to a prefill engine and back would not pay."""
         cached = prompt.cached(self.router.fleet.kv.of(node.id).held(prompt.chunks))
         local = prompt.tokens - cached <= self.router.settings.max_local_prefill
+        self._local_on = node if local else None
         if local:
             self._local = True
             self._predicted_cached = cached
         return local
 
-    async def _decode(self, binding: Binding, prefilled: handshake.Prefilled) -> Handed | None:
+    async def _decode(
+        self, binding: Binding, prefilled: handshake.Prefilled, prompt: Prompt | None
+    ) -> tuple[Handed, handshake.Prefilled] | None:
+        """The decode engine's answer, and what it was handed (computed anew when the
+        request moved to a node that decided otherwise)."""
         first = binding.decode
         try:
-            return await self._handoff_to(first, prefilled)
+            handed = await self._handoff_to(first, prefilled)
+            return None if handed is None else (handed, prefilled)
         except UpstreamError as error:
             if not error.undelivered:
                 raise
@@ -456,7 +477,16 @@ class Relay:
         self._reservation = other
         self.router.fleet.set_decode(binding, other.node)
         self._decode_node = other.node
-        return await self._handoff_to(other.node, prefilled)
+        if self._local_on is not None:
+            # Short for what the first node holds; this one may hold none of it.
+            self.outcome = "prefill_error"
+            again = await self._computed(binding, prompt)
+            if again is None:
+                return None
+            prefilled = again
+            self.outcome = "decode_error"
+        handed = await self._handoff_to(other.node, prefilled)
+        return None if handed is None else (handed, prefilled)
 
     async def _prefill(self, binding: Binding, prompt: Prompt | None) -> handshake.Prefilled | None:
         """Prefill on the next live node; once more on another one if that engine failed.

@@ -6,6 +6,7 @@ answered; a decode engine that never takes the request) are driven here step by 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import orjson
 import pytest
 
 from pd_router.errors import Unavailable, UpstreamError
+from pd_router.fleet.holdings import describe
 from pd_router.fleet.nodes import Node
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router, Settings
@@ -329,6 +331,49 @@ async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
     assert not d0.bound and not d1.bound, "bound to the node it went to, then released"
     pool = router.fleet.pool
     assert pool.acquired == pool.released == 2
+
+
+@pytest.mark.parametrize("held_by_the_other", [False, True])
+async def test_a_request_moved_to_another_decode_node_decides_again_where_it_is_computed(
+    held_by_the_other: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--max-local-prefill``: short for what the first decode node holds, so that node
+    was to compute it; out of reach, the request moves to a node that may hold none of it.
+    There a prefill engine computes it (before, the other node computed 400 tokens alone),
+    and the log says so; a node that holds it too computes it itself."""
+    upstream = ScriptedUpstream()
+    upstream.unreachable["http://decode0"] = UpstreamError(
+        "http://decode0: unreachable: refused", kind="unreachable"
+    )
+    router = make_router(upstream, decodes=2)
+    router.settings.max_local_prefill = 64  # a chunk: what is held ends at a whole one
+    body = {**BODY, "prompt": " ".join(f"w{index}" for index in range(400))}
+    d0, d1 = router.fleet.pool.nodes
+    kv = router.fleet.kv
+    for node in (d0, d1) if held_by_the_other else (d0,):
+        kv.placed(node.id, node.role, node.url, describe(body, kv.ratio))
+    with caplog.at_level(logging.INFO, logger="pd_router.access"):
+        client = await served(router, dict(body))
+    sent = [url for url, _ in upstream.sent]
+    assert "kv_transfer_params" not in upstream.sent[0][1], "decode0 was to compute it"
+    if held_by_the_other:
+        assert sent == ["http://decode0/v1/completions", "http://decode1/v1/completions"]
+        assert "kv_transfer_params" not in upstream.sent[1][1]
+    else:
+        assert sent == [
+            "http://decode0/v1/completions",
+            "http://prefill0/v1/completions",
+            "http://decode1/v1/completions",
+        ]
+        assert upstream.sent[2][1] == {**body, "kv_transfer_params": KV}
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert router.fleet.pool.in_use == 0 and not d0.bound and not d1.bound
+    (line,) = (
+        record.getMessage() for record in caplog.records if "request_id=" in record.getMessage()
+    )
+    assert f"local_prefill={held_by_the_other}" in line and "decode_node=" + str(d1.id) in line
+    assert ("prefill_node=None" in line) is held_by_the_other
 
 
 async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None:
