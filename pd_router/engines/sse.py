@@ -17,10 +17,13 @@ DONE = b"data: [DONE]\n\n"
 _BOUNDARY = b"\n\n"
 _CRLF_BOUNDARY = b"\r\n\r\n"
 # Each is the whole last event: inside an event's JSON a line break is always escaped.
-_DONE_EVENTS = (DONE, b"data: [DONE]\r\n\r\n")
+# A field's value may start with a space or not (SSE drops one): vLLM and SGLang write
+# ``data: [DONE]``, and ``data:[DONE]`` is the same event.
+_DONE_MARK = b"[DONE]"
+_DONE_EVENTS = (DONE, b"data: [DONE]\r\n\r\n", b"data:[DONE]\n\n", b"data:[DONE]\r\n\r\n")
 _USAGE_MARK = b'"prompt_tokens"'
 # vLLM's event for an error raised while it generated: ``data: {"error": {...}}``.
-_ERROR_MARK = b'data: {"error"'
+_ERROR_MARKS = (b'data: {"error"', b'data:{"error"')
 # An engine that never ends an event must not grow our memory without bound.
 MAX_EVENT_BYTES = 1 << 20
 
@@ -77,20 +80,22 @@ class EventRelay:
             self._pending = buffered
             return b""
         ready, self._pending = buffered[:cut], buffered[cut:]
-        for done in _DONE_EVENTS:
-            at = ready.find(done)
-            if at >= 0:
+        if ready.find(_DONE_MARK) >= 0:
+            ends = [at + len(done) for done in _DONE_EVENTS if (at := ready.find(done)) >= 0]
+            if ends:
                 self.done = True
-                ready = ready[: at + len(done)]
-                break
+                ready = ready[: min(ends)]
         if ready.find(_USAGE_MARK) >= 0:
             ready = self._patch(ready)
         if self.error is None:
-            at = ready.find(_ERROR_MARK)
-            if at >= 0:
-                # An event's JSON is one line: it ends at the first line break.
-                self.error = ready[at + 6 : ready.find(b"\n", at)].rstrip(b"\r")
-                self.error_first = at == 0 and not self._fed
+            for mark in _ERROR_MARKS:
+                at = ready.find(mark)
+                if at >= 0:
+                    # An event's JSON is one line: it ends at the first line break.
+                    start = at + len(mark) - len(b'{"error"')
+                    self.error = ready[start : ready.find(b"\n", at)].rstrip(b"\r")
+                    self.error_first = at == 0 and not self._fed
+                    break
         self._fed = True
         return ready
 
@@ -98,8 +103,9 @@ class EventRelay:
         boundary = _CRLF_BOUNDARY if ready.find(_CRLF_BOUNDARY) >= 0 else _BOUNDARY
         events = ready.split(boundary)
         for index, event in enumerate(events):
-            if event.startswith(b"data: ") and event.find(_USAGE_MARK) >= 0:
-                events[index] = b"data: " + patch_usage(event[6:], self._fix)
+            if event.startswith(b"data:") and event.find(_USAGE_MARK) >= 0:
+                start = 6 if event.startswith(b"data: ") else 5
+                events[index] = event[:start] + patch_usage(event[start:], self._fix)
         return boundary.join(events)
 
 

@@ -272,10 +272,17 @@ def test_sse_quirks_and_non_json_answers(router: RouterProcess, liar: LyingEngin
     late = STREAM + events(token(" after the end"))
     liar.lies["late"] = http(200, late, "content-type: text/event-stream")
     liar.lies["text"] = http(200, b"hello, not JSON", "content-type: text/plain")
+    # SSE drops one space after the field's colon, if there is one: the same events.
+    bare = b"".join(b"data:" + payload + b"\n\n" for payload in (token(" a"), b"[DONE]"))
+    liar.lies["bare"] = http(200, bare, "content-type: text/event-stream")
     url = f"{router.url}/v1/completions"
     with attacked(router):
         response = httpx.post(url, json=lie("crlf", stream=True))
         assert response.status_code == 200 and response.content == crlf
+        # Before: "decode stream ended without [DONE]", an error event, and a failure
+        # counted against the engine for each such stream.
+        response = httpx.post(url, json=lie("bare", stream=True))
+        assert response.status_code == 200 and response.content == bare
         response = httpx.post(url, json=lie("late", stream=True))
         assert response.status_code == 200 and response.content == STREAM
         response = httpx.post(url, json=lie("text"))

@@ -145,6 +145,22 @@ def test_event_relay_takes_crlf_events_byte_for_byte_and_patches_their_usage() -
     assert patched["usage"] == {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}
 
 
+def test_event_relay_takes_data_fields_without_the_space() -> None:
+    """``data:x`` is ``data: x`` (SSE drops one space after the colon, if there is one):
+    its [DONE] ends the stream, its usage is fixed, its error is the request's."""
+    relay = EventRelay(fix)
+    usage = b'data:{"choices":[],"usage":{"prompt_tokens":5}}\n\n'
+    out = relay.feed(usage + b"data:[DONE]\n\n" + b'data:{"choices":[]}\n\n')
+    assert relay.done and out.startswith(b"data:{") and out.endswith(b"data:[DONE]\n\n")
+    assert orjson.loads(out[5 : out.index(b"\n")])["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 3
+    }
+    failed = EventRelay(fix)
+    failed.feed(b'data:{"error":{"message":"boom","code":500}}\r\n\r\ndata:[DONE]\r\n\r\n')
+    assert failed.done and failed.error_first
+    assert failed.error == b'{"error":{"message":"boom","code":500}}'
+
+
 def test_event_relay_sends_nothing_after_done() -> None:
     relay = EventRelay(fix)
     token = b'data: {"choices":[{"text":" a"}]}\n\n'
