@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -441,11 +442,14 @@ class Relay:
             self._prefill_seconds = time.perf_counter() - started
         return prefilled
 
-    def _computes_locally(self, node: Node, prompt: Prompt) -> bool:
+    def _computes_locally(self, node: Node, prompt: Prompt, limit: float | None = None) -> bool:
         """Whether the decode node computes the prompt itself: what it does not hold is
-        short enough that sending it to a prefill engine and back would not pay."""
+        short enough (``limit``, else ``--max-local-prefill``) that sending it to a prefill
+        engine and back would not pay."""
+        if limit is None:
+            limit = self.router.settings.max_local_prefill
         cached = prompt.cached(self.router.fleet.kv.of(node.id).held(prompt.chunks))
-        local = prompt.tokens - cached <= self.router.settings.max_local_prefill
+        local = prompt.tokens - cached <= limit
         self._local_on = node if local else None
         if local:
             self._local = True
@@ -477,10 +481,15 @@ class Relay:
         self._reservation = other
         self.router.fleet.set_decode(binding, other.node)
         self._decode_node = other.node
-        if self._local_on is not None:
+        if self._local_on is not None and prompt is not None:
             # Short for what the first node holds; this one may hold none of it.
             self.outcome = "prefill_error"
-            again = await self._computed(binding, prompt)
+            try:
+                again = await self._computed(binding, prompt)
+            except Unavailable:
+                # No prefill engine to take it: this node computes it, as the first was to.
+                self._computes_locally(other.node, prompt, math.inf)
+                again = prefilled
             if again is None:
                 return None
             prefilled = again

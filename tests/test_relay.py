@@ -14,9 +14,9 @@ import anyio
 import orjson
 import pytest
 
-from pd_router.errors import Unavailable, UpstreamError
+from pd_router.errors import Evidence, Unavailable, UpstreamError
 from pd_router.fleet.holdings import describe
-from pd_router.fleet.nodes import Node
+from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router, Settings
 
@@ -333,14 +333,15 @@ async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
     assert pool.acquired == pool.released == 2
 
 
-@pytest.mark.parametrize("held_by_the_other", [False, True])
+@pytest.mark.parametrize("there", ["nothing", "the prompt", "no prefill node"])
 async def test_a_request_moved_to_another_decode_node_decides_again_where_it_is_computed(
-    held_by_the_other: bool, caplog: pytest.LogCaptureFixture
+    there: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``--max-local-prefill``: short for what the first decode node holds, so that node
     was to compute it; out of reach, the request moves to a node that may hold none of it.
     There a prefill engine computes it (before, the other node computed 400 tokens alone),
-    and the log says so; a node that holds it too computes it itself."""
+    and the log says so; a node that holds it too computes it itself, and so does one with
+    no prefill engine live to take it (as the first was to)."""
     upstream = ScriptedUpstream()
     upstream.unreachable["http://decode0"] = UpstreamError(
         "http://decode0: unreachable: refused", kind="unreachable"
@@ -350,13 +351,17 @@ async def test_a_request_moved_to_another_decode_node_decides_again_where_it_is_
     body = {**BODY, "prompt": " ".join(f"w{index}" for index in range(400))}
     d0, d1 = router.fleet.pool.nodes
     kv = router.fleet.kv
-    for node in (d0, d1) if held_by_the_other else (d0,):
+    for node in (d0, d1) if there == "the prompt" else (d0,):
         kv.placed(node.id, node.role, node.url, describe(body, kv.ratio))
+    if there == "no prefill node":
+        (p0,) = router.fleet.prefill.nodes
+        router.fleet.failed(p0, Failure("unreachable", "refused", Evidence.FATAL))
     with caplog.at_level(logging.INFO, logger="pd_router.access"):
         client = await served(router, dict(body))
     sent = [url for url, _ in upstream.sent]
     assert "kv_transfer_params" not in upstream.sent[0][1], "decode0 was to compute it"
-    if held_by_the_other:
+    local = there != "nothing"
+    if local:
         assert sent == ["http://decode0/v1/completions", "http://decode1/v1/completions"]
         assert "kv_transfer_params" not in upstream.sent[1][1]
     else:
@@ -372,8 +377,11 @@ async def test_a_request_moved_to_another_decode_node_decides_again_where_it_is_
     (line,) = (
         record.getMessage() for record in caplog.records if "request_id=" in record.getMessage()
     )
-    assert f"local_prefill={held_by_the_other}" in line and "decode_node=" + str(d1.id) in line
-    assert ("prefill_node=None" in line) is held_by_the_other
+    assert f"local_prefill={local}" in line and f"decode_node={d1.id}" in line
+    assert ("prefill_node=None" in line) is local
+    # Predicted cached where it was computed: decode1's (``prefix`` predicts no prefill's).
+    expected = {"nothing": "None", "the prompt": "448", "no prefill node": "0"}[there]
+    assert f"predicted_cached={expected} " in line
 
 
 async def test_a_connect_timeout_with_no_other_decode_node_is_reported() -> None:
