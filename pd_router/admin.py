@@ -83,11 +83,13 @@ def admin_routes(
     membership: Membership | None = None,
     own: Callable[[str], bool] = lambda url: False,
     admit: Callable[[Node], Awaitable[None]] | None = None,
+    decode_slots: int = 1,
 ) -> list[Route]:
     """``remote``: with a shared state, an abort reaches the router that holds the request;
     ``membership``: where node changes go (with a shared state, to every router); ``own``:
     whether an engine URL is this router's own address; ``admit``: a joining node's first
-    probe, made before the answer."""
+    probe, made before the answer; ``decode_slots``: the slots of a decode node added
+    without saying (--decode-slots), as for one given on the command line."""
     fleet = router.fleet
     members = membership or LocalMembership(fleet)
     expected = token.encode()
@@ -144,7 +146,8 @@ def admin_routes(
         if not isinstance(spec, dict) or spec.get("role") not in ("prefill", "decode"):
             shape = '{"url": ..., "role": "prefill"|"decode", "slots": N, "labels": {}}'
             return _error(400, f"expected {shape}", "bad_node", "role")
-        slots = spec.get("slots", 1)
+        # A node added again is given whole: what it leaves out is the default again.
+        slots = spec.get("slots", decode_slots if spec["role"] == "decode" else 1)
         if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= MAX_SLOTS:
             message = f"'slots' must be a whole number from 1 to {MAX_SLOTS}"
             return _error(400, message, "bad_node", "slots")

@@ -191,6 +191,8 @@ class AppOptions:
     # The address the router listens on (host, port), to refuse it as an engine; None:
     # not known (in-process tests).
     listen: tuple[str, int] | None = None
+    # Slots of a decode node added through the admin API that does not say (--decode-slots).
+    decode_slots: int = 1
     # With --workers: this worker's number, and the directory where every worker's series
     # meet for /metrics (``ops/gathered.py``); None: a router of one process.
     worker: tuple[int, Path] | None = None
@@ -318,7 +320,11 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
     ]
     if options.admin_token:
         own = partial(_own, options.listen)
-        routes.extend(admin_routes(router, options.admin_token, remote, membership, own, admit))
+        routes.extend(
+            admin_routes(
+                router, options.admin_token, remote, membership, own, admit, options.decode_slots
+            )
+        )
     paths = {route.path for route in routes}
 
     async def no_route(request: Request, exc: Exception) -> Response:

@@ -646,6 +646,7 @@ def _serve(
         shutdown_timeout=args.shutdown_timeout,
         listen=(args.host, args.port),
         worker=worker,
+        decode_slots=args.decode_slots,
     )
     limits = ClientLimits(
         max_head=args.max_header_bytes,

@@ -91,9 +91,11 @@ def test_an_engine_added_three_times_is_one_node_and_never_gets_more_than_its_sl
 
 def test_a_draining_node_added_again_keeps_its_id_and_serves_again(fleet: SimFleet) -> None:
     engine = fleet.decode[1]
-    with router_for(fleet) as router:
+    with router_for(fleet, "--decode-slots", "5") as router:
         added = admin(router, "POST", "/nodes", json={"url": engine.url, "role": "decode"})
         node_id = added.json()["id"]
+        # Slots not given: --decode-slots, as for a node on the command line (before, 1).
+        assert added.json()["slots"] == 5
         assert admin(router, "POST", f"/nodes/{node_id}/drain").json()["state"] == "draining"
         again = admin(
             router,
@@ -106,6 +108,10 @@ def test_a_draining_node_added_again_keeps_its_id_and_serves_again(fleet: SimFle
         assert view["id"] == node_id and view["state"] == "serving"
         assert view["slots"] == 3 and view["labels"] == {"z": "b"}
         assert [n["id"] for n in nodes_at(router, engine.port)] == [node_id]
+        # A node added again is given whole: what it leaves out is the default again.
+        again = admin(router, "POST", "/nodes", json={"url": engine.url, "role": "decode"})
+        assert again.status_code == 200 and again.json()["id"] == node_id
+        assert again.json()["slots"] == 5 and again.json()["labels"] == {}
         # Another role is another node: an engine may serve both.
         prefill = admin(router, "POST", "/nodes", json={"url": engine.url, "role": "prefill"})
         assert prefill.status_code == 201 and prefill.json()["id"] != node_id
