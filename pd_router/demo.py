@@ -115,6 +115,10 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     ) as fleet:
         args.prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]
+        try:
+            router = build_router(args)
+        except ValueError as exc:
+            parser.error(str(exc))  # as the router's own command: one line, exit code 2
         print(
             f"pd-router demo: {_engines(args.models, args.prefill, args.decode)}; "
             f"try: curl http://{address(args.host, args.port)}/v1/completions "
@@ -123,7 +127,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
             """"max_tokens": 8}'""",
             flush=True,
         )
-        serve(args, build_router(args), sock)
+        serve(args, router, sock)
 
 
 def _engines(models: list[str], prefill: list[str], decode: list[str]) -> str:

@@ -311,14 +311,24 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     parser = Parser(
         prog="pd-router status", description="Show a running pd-router's nodes and queue."
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the router's base URL; default http://127.0.0.1:8000",
+    )
     parser.add_argument(
         "--admin-token",
         default=environ.get(ADMIN_ENV) or None,
         metavar="TOKEN",
         help=f"use /admin/nodes (labels, requests per node); default ${ADMIN_ENV}",
     )
-    parser.add_argument("--timeout", type=_timeout, default=5.0, metavar="SECONDS")
+    parser.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long each call to the router may take (more than 0); default 5",
+    )
     args = parse(parser, argv)
     router = args.url.rstrip("/")
     parts = urlsplit(router)

@@ -276,6 +276,23 @@ def test_a_bad_value_in_the_demos_config_file_is_refused(tmp_path: Path) -> None
     assert line.startswith(f"pd-router demo: error: {path}: port: must be a whole number from 0")
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--api-keys-file", "/nonexistent/keys"],
+        ["--ssl-keyfile", "key.pem"],
+        ["--state", "http://x"],
+    ],
+    ids=["keys", "tls", "state"],
+)
+def test_a_setting_the_demos_router_refuses_is_one_line(flags: list[str]) -> None:
+    """Refused once its engines are up (the router is made for their URLs): before, a
+    traceback and exit code 1; now as the router's own command says it, its engines
+    stopped."""
+    line = refusal(run("demo", "--port", "0", *flags))
+    assert line.startswith("pd-router demo: error: "), line
+
+
 def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
     for option in options_of(actions).values():
         if option.number:
