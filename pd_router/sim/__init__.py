@@ -6,6 +6,7 @@ speak vLLM's NixlConnector prefill/decode protocol: the prefill engine answers w
 blocks (``POST /kv/pull`` on the prefill's HTTP port stands in for NIXL) before it
 generates. A token is a whitespace-separated word of the prompt, and the decode output
 repeats the pulled prompt tokens, so a test can tell which prefill an answer came from.
+With ``--dialect sglang`` they speak SGLang's bootstrap protocol instead (``bootstrap.py``).
 
 ``pd_router.sim.fleet`` starts and stops engines from Python. This package imports nothing
 from the rest of ``pd_router``.

@@ -32,6 +32,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="port to listen on (required)")
     parser.add_argument(
+        "--dialect",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the P/D protocol: vllm (kv_transfer_params, the KV pulled from the prefill's "
+        "POST /kv/pull) or sglang (bootstrap_host, bootstrap_port and bootstrap_room, the KV "
+        "taken from the prefill's POST /sglang/bootstrap on its HTTP port)",
+    )
+    parser.add_argument(
         "--engine-id",
         metavar="ID",
         help="the engine's id in kv_transfer_params (default: sim-ROLE-PORT)",
@@ -112,7 +120,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pd_router.sim",
-        description="A simulated vLLM engine speaking the NixlConnector P/D protocol: one "
+        description="A simulated vLLM engine speaking the NixlConnector P/D protocol, or "
+        "SGLang's bootstrap protocol with --dialect sglang: one "
         "engine, one model, one port. A token is a word of the prompt; a decode engine "
         "answers with the words of the prompt whose KV it pulled, repeated. "
         "`python -m pd_router.sim prefill --help` and `... decode --help` list each "
@@ -143,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=1024,
         help="prefills computed at once; more wait their turn",
+    )
+    prefill.add_argument(
+        "--bootstrap-timeout",
+        metavar="SECONDS",
+        type=_non_negative,
+        default=30.0,
+        help="--dialect sglang: a computed prompt waits this long for a decode engine to take "
+        "its room (then the request is a 500), and a take waits this long for its room's "
+        "prompt (then it is a 404)",
     )
 
     decode = roles.add_parser("decode", help="kv_consumer: pulls KV, generates tokens")
@@ -181,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument(
         "--standalone",
         action="store_true",
-        help="also serve requests without kv_transfer_params, computing their prompt "
-        "(a local prefill), as a vLLM kv_consumer does",
+        help="also serve requests without kv_transfer_params (--dialect sglang: without any "
+        "bootstrap field), computing their prompt (a local prefill), as a vLLM kv_consumer does",
     )
     decode.add_argument(
         "--name-prefill",
@@ -225,6 +243,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
             kv_lease=args.kv_lease,
             kv_events_port=args.kv_events_port,
             api_key=args.api_key,
+            dialect=args.dialect,
+            bootstrap_timeout=args.bootstrap_timeout,
         )
         return PrefillEngine(settings, config)
     from pd_router.sim.decode import DecodeEngine
@@ -246,6 +266,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         standalone=args.standalone,
         name_prefill=args.name_prefill,
         api_key=args.api_key,
+        dialect=args.dialect,
     )
     return DecodeEngine(settings, config)
 

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pd_router.sim.asgi import ApiError
 
 Role = Literal["prefill", "decode"]
+# The P/D protocol spoken: vLLM's NixlConnector handshake, or SGLang's bootstrap rooms.
+Dialect = Literal["vllm", "sglang"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ class EngineSettings:
     kv_events_port: int | None = None
     # As vLLM's --api-key: every /v1/ request must carry 'Authorization: Bearer <key>'.
     api_key: str | None = None
+    dialect: Dialect = "vllm"
+    # sglang: how long a prefill holds a computed room for a decode engine to take, and how
+    # long a take waits for its room to be computed.
+    bootstrap_timeout: float = 30.0
 
 
 @dataclass

@@ -16,6 +16,12 @@ With ``--standalone`` a body without ``kv_transfer_params`` is served as a vLLM
 instead of a pull. The prefix cache holds what the engine computed and what it pulled, as
 vLLM caches a transferred prompt's blocks like its own.
 
+With ``--dialect sglang`` the body carries SGLang's ``bootstrap_host``, ``bootstrap_port``
+and ``bootstrap_room`` instead (``bootstrap.py``), and the pull is ``POST /sglang/bootstrap``
+``{"room": N}`` to that host and port, which answers once the prefill engine, sent the same
+body at the same time, has computed the room's prompt. With ``--standalone`` a body without
+any of the three is a local prefill.
+
 With ``--name-prefill`` (the demo's) an answer's text starts with ``[prefill HOST:PORT]``,
 the prefill engine whose KV it pulled, for a person who wants to see where it went.
 """
@@ -30,11 +36,12 @@ import aiohttp
 import anyio
 import orjson
 
-from pd_router.sim.asgi import SSE_DONE, ApiError, Exchange, sse_event
+from pd_router.sim.asgi import ApiError, Exchange
+from pd_router.sim.bootstrap import Bootstrap, carries_bootstrap, parse_bootstrap
 from pd_router.sim.config import EngineSettings, SimConfig
 from pd_router.sim.engine import Engine, Job, Outcome
 from pd_router.sim.kvcache import PrefixCache
-from pd_router.sim.payloads import JSON, chunk, full_response, token_text, usage, usage_chunk
+from pd_router.sim.payloads import JSON, full_response, token_text, usage
 
 PULL_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
@@ -50,9 +57,25 @@ class RemotePrefill:
     port: int
 
     @property
-    def pull_url(self) -> str:
+    def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/kv/pull"
+        return f"{host}:{self.port}"
+
+    @property
+    def pull_url(self) -> str:
+        return f"http://{self.address}/kv/pull"
+
+    @property
+    def pull_request(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "request_id": self.request_id,
+            "block_ids": self.block_ids,
+        }
+
+
+# Where a request's KV is fetched from, in either dialect.
+Remote = RemotePrefill | Bootstrap
 
 
 class PullError(Exception):
@@ -96,8 +119,11 @@ class DecodeEngine(Engine):
         self.prefix_cache.clear()
 
     async def startup(self) -> None:
-        # One pooled session per engine, like NIXL's one agent per engine.
-        self._session = aiohttp.ClientSession(timeout=PULL_TIMEOUT)
+        # One pooled session per engine, like NIXL's one agent per engine. A pull happens in
+        # a slot, so a connection per slot: aiohttp's default 100 would make an sglang take,
+        # which waits for its room's prompt, hold up the others past it.
+        connector = aiohttp.TCPConnector(limit=self.settings.slots)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=PULL_TIMEOUT)
         self._slots = anyio.Semaphore(self.settings.slots)
 
     async def shutdown(self) -> None:
@@ -105,10 +131,20 @@ class DecodeEngine(Engine):
             await self._session.close()
 
     def prepare(self, job: Job) -> None:
-        params = job.body.get("kv_transfer_params")
+        self._remote(job)
+
+    def _remote(self, job: Job) -> Remote | None:
+        """Where the request's KV waits, or None for a local prefill (--standalone, a body
+        without the dialect's fields); raises ApiError."""
+        body = job.body
+        if self.settings.dialect == "sglang":
+            if self.settings.standalone and not carries_bootstrap(body):
+                return None
+            return parse_bootstrap(body)
+        params = body.get("kv_transfer_params")
         if params is None and self.settings.standalone:
-            return
-        parse_remote_prefill(params)
+            return None
+        return parse_remote_prefill(params)
 
     async def generate(self, exchange: Exchange, job: Job) -> Outcome:
         if self._slots is None:
@@ -125,9 +161,9 @@ class DecodeEngine(Engine):
 
     async def _generate_in_slot(self, exchange: Exchange, job: Job) -> Outcome:
         await anyio.sleep(self.config.accept_delay)
-        params = job.body.get("kv_transfer_params")
+        remote = self._remote(job)
         lead = ""
-        if params is None:
+        if remote is None:
             tokens = job.prompt_tokens
             cached, hashes = self.prefix_cache.lookup(tokens)
             await anyio.sleep(
@@ -137,7 +173,6 @@ class DecodeEngine(Engine):
             self.counters.prompt_tokens += len(tokens)
             self.counters.cached_tokens += cached
         else:
-            remote = parse_remote_prefill(params)
             try:
                 tokens = await self._pull(remote)
             except PullError as exc:
@@ -147,25 +182,19 @@ class DecodeEngine(Engine):
             self.counters.transfers += 1
             cached = len(tokens)
             if self.settings.name_prefill:
-                host = f"[{remote.host}]" if ":" in remote.host else remote.host
-                lead = f"[prefill {host}:{remote.port}]"
+                lead = f"[prefill {remote.address}]"
             self.prefix_cache.insert(self.prefix_cache.lookup(tokens)[1])
         if job.stream:
             return await self._stream(exchange, job, tokens, cached, lead)
         return await self._complete(exchange, job, tokens, cached, lead)
 
-    async def _pull(self, remote: RemotePrefill) -> list[str]:
+    async def _pull(self, remote: Remote) -> list[str]:
         if self._session is None:
             raise RuntimeError("the decode engine has not started")
-        request = {
-            "engine_id": remote.engine_id,
-            "request_id": remote.request_id,
-            "block_ids": remote.block_ids,
-        }
         try:
             async with self._session.post(
                 remote.pull_url,
-                data=orjson.dumps(request),
+                data=orjson.dumps(remote.pull_request),
                 headers={"content-type": "application/json"},
             ) as response:
                 raw = await response.read()
@@ -190,28 +219,13 @@ class DecodeEngine(Engine):
             raise PullError(f"{remote.pull_url} sent no tokens")
         return tokens
 
-    def _event(self, job: Job, created: int, text: str, finish: str | None, role: bool) -> bytes:
-        return sse_event(
-            chunk(
-                request_id=job.request_id,
-                chat=job.chat,
-                model=self.settings.model,
-                created=created,
-                text=text,
-                finish_reason=finish,
-                role=role,
-            )
-        )
-
     async def _stream(
         self, exchange: Exchange, job: Job, tokens: list[str], cached: int, lead: str
     ) -> Outcome:
         created = int(time.time())
         count = job.max_tokens
         fail_after = self.config.fail_after_tokens
-        await exchange.start_stream()
-        if job.chat:
-            await exchange.send_body(self._event(job, created, "", None, role=True), more=True)
+        await self.start_token_stream(exchange, job, created)
         for i in range(count):
             if i == fail_after:
                 return Outcome.CRASHED
@@ -220,20 +234,11 @@ class DecodeEngine(Engine):
                 await anyio.sleep(0.05)
             finish = "length" if i == count - 1 else None
             text = (lead if i == 0 else "") + token_text(tokens[i % len(tokens)])
-            await exchange.send_body(self._event(job, created, text, finish, role=False), more=True)
+            await exchange.send_body(self.token_event(job, created, text, finish), more=True)
         if fail_after is not None:
             # Asked to fail after at least every token: die before the usage and [DONE].
             return Outcome.CRASHED
-        if job.include_usage:
-            usage_event = usage_chunk(
-                request_id=job.request_id,
-                chat=job.chat,
-                model=self.settings.model,
-                created=created,
-                usage_body=usage(len(tokens), count, cached),
-            )
-            await exchange.send_body(sse_event(usage_event), more=True)
-        await exchange.send_body(SSE_DONE, more=False)
+        await self.end_token_stream(exchange, job, created, usage(len(tokens), count, cached))
         return Outcome.COMPLETED
 
     async def _complete(

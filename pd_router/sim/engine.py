@@ -17,8 +17,18 @@ from typing import Any
 
 import anyio
 
-from pd_router.sim.asgi import ApiError, Exchange, Receive, Scope, Send, SimulatedCrash
+from pd_router.sim.asgi import (
+    SSE_DONE,
+    ApiError,
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+    SimulatedCrash,
+    sse_event,
+)
 from pd_router.sim.config import EngineSettings, SimConfig
+from pd_router.sim.payloads import JSON, chunk, usage_chunk
 from pd_router.sim.tokens import PromptError, request_tokens
 
 COMPLETIONS = "/v1/completions"
@@ -54,6 +64,9 @@ class Counters:
     models_requests: int = 0
     # /v1/ requests refused for their Authorization (--api-key).
     unauthorized: int = 0
+    # The sglang dialect's prefill: rooms a decode engine took, and rooms none took in time.
+    rooms_taken: int = 0
+    bootstrap_timeouts: int = 0
 
 
 @dataclass
@@ -301,6 +314,50 @@ class Engine:
                 param,
             )
         return min(asked or self.config.default_max_tokens, limit - prompt_tokens)
+
+    # Streamed answers.
+
+    def token_event(self, job: Job, created: int, text: str, finish: str | None) -> bytes:
+        return sse_event(
+            chunk(
+                request_id=job.request_id,
+                chat=job.chat,
+                model=self.settings.model,
+                created=created,
+                text=text,
+                finish_reason=finish,
+            )
+        )
+
+    async def start_token_stream(self, exchange: Exchange, job: Job, created: int) -> None:
+        """Headers, and for a chat the opening event that only names the role."""
+        await exchange.start_stream()
+        if job.chat:
+            opening = chunk(
+                request_id=job.request_id,
+                chat=True,
+                model=self.settings.model,
+                created=created,
+                text="",
+                finish_reason=None,
+                role=True,
+            )
+            await exchange.send_body(sse_event(opening), more=True)
+
+    async def end_token_stream(
+        self, exchange: Exchange, job: Job, created: int, usage_body: JSON
+    ) -> None:
+        """The usage event if the request asked for it, then ``[DONE]``."""
+        if job.include_usage:
+            usage_event = usage_chunk(
+                request_id=job.request_id,
+                chat=job.chat,
+                model=self.settings.model,
+                created=created,
+                usage_body=usage_body,
+            )
+            await exchange.send_body(sse_event(usage_event), more=True)
+        await exchange.send_body(SSE_DONE, more=False)
 
     # Operational endpoints.
 

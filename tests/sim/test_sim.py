@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import operator
 import threading
 import time
@@ -16,9 +15,9 @@ from pd_router.engines.handshake import PREFILL_KV_PARAMS
 from pd_router.sim.fleet import EngineProcess, SimFleet
 from pd_router.sim.kvcache import PinnedBlocks, PrefixCache
 from pd_router.sim.tokens import PromptError, chat_tokens, completion_tokens
+from tests.sim.helpers import MODEL, body_for, sse_events
 
 BLOCK_SIZE = 4
-MODEL = "sim-model"
 DEFAULT_CONFIG: dict[str, Any] = {
     "prefill_delay": 0.0,
     "prefill_per_token": 0.0,
@@ -53,15 +52,6 @@ def client() -> Iterator[httpx.Client]:
         yield started
 
 
-def body_for(prompt: str, chat: bool, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, **extra}
-    if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    return body
-
-
 def path_for(chat: bool) -> str:
     return "/v1/chat/completions" if chat else "/v1/completions"
 
@@ -93,22 +83,6 @@ def do_decode(
     if kv is not None:
         body["kv_transfer_params"] = kv
     return client.post(fleet.decode[0].url + path_for(chat), json=body)
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    """Parsed events, checking vLLM's framing byte for byte; "[DONE]" stays a string."""
-    assert raw.endswith(b"\n\n")
-    events: list[Any] = []
-    for frame in raw[:-2].split(b"\n\n"):
-        assert frame.startswith(b"data: ")
-        data = frame[len(b"data: ") :]
-        if data == b"[DONE]":
-            events.append("[DONE]")
-            continue
-        event = json.loads(data)
-        assert json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() == data
-        events.append(event)
-    return events
 
 
 def expected_text(tokens: list[str], count: int) -> str:
@@ -323,6 +297,14 @@ def test_missing_or_invalid_handshake_is_refused(client: httpx.Client, fleet: Si
         assert error["type"] == "BadRequestError"
     response = client.post(fleet.prefill[0].url + "/v1/completions", json=body_for("a b", False))
     assert response.status_code == 400
+
+
+def test_the_vllm_dialect_has_no_bootstrap(client: httpx.Client, fleet: SimFleet) -> None:
+    url = fleet.prefill[0].url
+    assert client.post(url + "/sglang/bootstrap", json={"room": 1}).status_code == 404
+    body = body_for("a", False, bootstrap_host="h", bootstrap_port=1, bootstrap_room=1)
+    refused = client.post(url + "/v1/completions", json=body)
+    assert refused.json()["error"]["param"] == "kv_transfer_params"
 
 
 def test_bad_requests(client: httpx.Client, fleet: SimFleet) -> None:
