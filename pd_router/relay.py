@@ -52,7 +52,7 @@ from pd_router.edge.keyfile import KeyFile
 from pd_router.edge.protocol import DEPARTURE, WIRE, Departure
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint
-from pd_router.engines import handshake
+from pd_router.engines import bootstrap, handshake
 from pd_router.engines.client import Response, Upstream, streamed_error
 from pd_router.engines.sse import EventRelay, with_usage_fixed
 from pd_router.errors import (
@@ -67,9 +67,9 @@ from pd_router.errors import (
 from pd_router.fleet import models
 from pd_router.fleet.holdings import Prompt, describe
 from pd_router.fleet.keys import KeyLimits
-from pd_router.fleet.nodes import Failure, Node
+from pd_router.fleet.nodes import BOOTSTRAP_PORT, Failure, Node
 from pd_router.fleet.pool import Reservation
-from pd_router.fleet.prefill import prefix_key
+from pd_router.fleet.prefill import Placement, prefix_key
 from pd_router.fleet.registry import Binding, Fleet
 from pd_router.ops import logs
 from pd_router.ops.metrics import Telemetry, Timings
@@ -100,6 +100,11 @@ class Settings:
     # A prompt with at most this many tokens not predicted cached on its decode node is
     # computed there (no prefill engine); 0: always disaggregate.
     max_local_prefill: int = 0
+    # The engines' P/D dialect: "vllm" (the prefill answers kv_transfer_params, the decode
+    # pulls) or "sglang" (both get one request at once, the KV goes by its bootstrap room).
+    dialect: str = "vllm"
+    # SGLang: a prefill engine's bootstrap port, unless its node's label says another.
+    bootstrap_port: int = bootstrap.DEFAULT_PORT
 
 
 @dataclass
@@ -363,6 +368,9 @@ class Relay:
         prompt = None
         if fleet.prefill.reads_prompt or limit > 0:
             prompt = describe(self.body, fleet.kv.ratio)
+        if self.router.settings.dialect == "sglang":
+            await self._serve_bootstrapped(client, binding, prompt)
+            return
         if not handshake.hands_over(self.body):
             # Several sequences, beam search, required tool calls (``hands_over``): the
             # decode engine computes the request whole, as one engine alone would.
@@ -373,13 +381,123 @@ class Relay:
             if computed is None:
                 return
             prefilled = computed
+        await self._hand_over(client, binding, prefilled, prompt)
+
+    async def _serve_bootstrapped(
+        self, client: ClientStream, binding: Binding, prompt: Prompt | None
+    ) -> None:
+        """SGLang's dialect: one request to a prefill engine and to the decode engine at
+        once (``engines/bootstrap.py``). The prefill engine answers once the KV has gone
+        (after the decode engine's answer began, as often as not), so the decode engine's
+        answer is relayed meanwhile, and not waited for once that answer is whole. A
+        prefill that fails before the client's answer began fails the request at once
+        (the decode engine would wait for KV that never comes, until its own timeout)."""
+        fleet = self.router.fleet
+        key = prefix_key(self.body)
+        node = fleet.prefill.pick(
+            key, model=self.model, prompt=prompt if fleet.prefill.reads_prompt else None
+        )
+        if node is None:
+            raise Unavailable("no live prefill node")
+        port = node.labels.get(BOOTSTRAP_PORT)
+        sent = bootstrap.request(
+            self.body,
+            bootstrap.host_of(node.url),
+            self.router.settings.bootstrap_port if port is None else int(port),
+            bootstrap.sequences(self.body, self.endpoint == "chat"),
+        )
+        failed: list[UpstreamError] = []
+        placed = [self._place(node, binding, key, prompt)]
+
+        def prefilled() -> None:
+            """The prefill ended, however it did: once, in the task or (a task cancelled
+            before it ran) after it."""
+            if placed:
+                fleet.prefill.release(placed.pop())
+                fleet.set_prefill(binding, None)
+
+        url = node.url + self.path
+        # Before the decode request's: both go at once, its span only marks the start.
+        headers = b"" if self.trace is None else self.trace.prefill(node, url, placed[0].hit)
+        try:
+            async with anyio.create_task_group() as beside:
+                beside.start_soon(
+                    self._prefill_beside,
+                    node,
+                    (url, headers, sent),
+                    prompt,
+                    prefilled,
+                    beside.cancel_scope,
+                    failed,
+                )
+                handed = handshake.Prefilled.bootstrapped(sent)
+                await self._hand_over(client, binding, handed, prompt)
+                # The decode engine's answer is whole: the prefill engine's is not needed.
+                beside.cancel_scope.cancel()
+        finally:
+            prefilled()
+        if failed:
+            self.outcome = "prefill_error"
+            raise failed[0]
+
+    async def _prefill_beside(
+        self,
+        node: Node,
+        request: tuple[str, bytes, dict[str, Any]],
+        prompt: Prompt | None,
+        ended: Callable[[], None],
+        beside: anyio.CancelScope,
+        failed: list[UpstreamError],
+    ) -> None:
+        """SGLang's prefill request (url, headers, body), sent beside the decode engine's,
+        and its answer read to its end (the connection goes back to the pool); ``ended``
+        once it did or failed. A failure is told in ``failed``, and ends the request, if
+        the client's answer has not begun."""
+        fleet = self.router.fleet
+        url, headers, sent = request
+        started = time.perf_counter()
+        try:
+            answer = await self._send(node, url, sent, headers)
+            try:
+                if answer.status != 200:
+                    raise await answer.error()
+                raw = await answer.read()
+            except UpstreamError as error:
+                raise self._engine_failed(node, error) from None
+            finally:
+                self._open.remove(answer)
+                answer.close()
+        except UpstreamError as error:
+            if not self.client.started:
+                failed.append(error)
+                beside.cancel()
+            return
+        finally:
+            ended()
+        self._prefill_seconds = time.perf_counter() - started
+        fleet.served(node)
+        if prompt is not None and raw.startswith(b"{"):  # not a streamed answer (SSE)
+            with contextlib.suppress(orjson.JSONDecodeError):
+                usage = orjson.loads(raw).get("usage")
+                if isinstance(usage, dict):
+                    fleet.kv.calibrate(prompt, usage.get("prompt_tokens"))
+
+    async def _hand_over(
+        self,
+        client: ClientStream,
+        binding: Binding,
+        prefilled: handshake.Prefilled,
+        prompt: Prompt | None,
+    ) -> None:
+        """The decode engine's part: the hand-off, then its answer relayed to the client."""
+        fleet = self.router.fleet
         self.outcome = "decode_error"
         handed = await self._decode(binding, prefilled, prompt)
         if handed is None:
             return
         (answer, first), prefilled = handed
         node = binding.decode
-        if 400 <= answer.status < 500 and not prefilled.is_local:
+        if 400 <= answer.status < 500 and prefilled.pins:
             await self._drain(node, prefilled)  # the client gone or not
         if self.client_gone:
             return
@@ -536,15 +654,8 @@ class Relay:
         """``prompt``: for the prefill policy (None if it reads none); ``described``: the
         prompt as described, if it was (it calibrates the estimate of text)."""
         fleet = self.router.fleet
-        # Bound to the node until the ``finally`` below: the node's outstanding prefills, as
-        # the prefill policy counts them.
-        fleet.set_prefill(binding, node)
-        self._prefill_node = node
-        placement = fleet.prefill.place(node, key, prompt)
-        self._prefix_hit = placement.hit
-        self._predicted_cached = placement.cached
-        self._cache_source = placement.source
-        self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
+        # Bound to the node until the ``finally`` below.
+        placement = self._place(node, binding, key, prompt)
         url = node.url + self.path
         trace = self.trace
         headers = b"" if trace is None else trace.prefill(node, url, self._prefix_hit)
@@ -589,6 +700,19 @@ class Relay:
                 fleet.kv.learn(node.id, prompt, prefilled.prompt_token_ids)
         return prefilled
 
+    def _place(self, node: Node, binding: Binding, key: int, prompt: Prompt | None) -> Placement:
+        """The prefill goes to ``node``: bound to it (the node's outstanding prefills, as the
+        prefill policy counts them) until the caller releases the placement."""
+        fleet = self.router.fleet
+        fleet.set_prefill(binding, node)
+        self._prefill_node = node
+        placement = fleet.prefill.place(node, key, prompt)
+        self._prefix_hit = placement.hit
+        self._predicted_cached = placement.cached
+        self._cache_source = placement.source
+        self.router.telemetry.prefill_picked(fleet.prefill.name, self._prefix_hit)
+        return placement
+
     async def _handoff_to(self, node: Node, prefilled: handshake.Prefilled) -> Handed | None:
         """Send the decode request; shielded until the decode engine has taken the KV.
 
@@ -599,9 +723,15 @@ class Relay:
         params = prefilled.kv_transfer_params
         url = node.url + self.path
         trace = self.trace
-        with self._engine_has_it():
+        # SGLang's hand-off is not shielded: a failed prefill must stop it at once, and its
+        # engines let go of the KV when their requests are closed.
+        with self._engine_has_it() if prefilled.sent is None else contextlib.nullcontext():
             drain = self.client_gone
-            if prefilled.is_local:
+            if prefilled.sent is not None:
+                if drain:
+                    return None
+                body = prefilled.sent
+            elif prefilled.is_local:
                 if drain:
                     return None  # nothing waits on a prefill engine
                 body = handshake.local_body(self.body)

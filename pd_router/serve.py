@@ -46,6 +46,7 @@ from pd_router.edge.protocol import (
     default_max_connections,
     protocol,
 )
+from pd_router.engines import bootstrap
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls, no_pass_phrase
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
@@ -103,6 +104,7 @@ _count = _whole(0, None, "a whole number >= 0")
 _workers = _whole(1, workers.MAX_WORKERS, f"a whole number >= 1 and <= {workers.MAX_WORKERS}")
 # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
 _port = _whole(0, 65535, "a whole number from 0 to 65535 (0: any free port)")
+_engine_port = _whole(1, 65535, "a whole number from 1 to 65535")
 
 
 def _token(text: str) -> str:
@@ -168,6 +170,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
      "send a request whose prompt has at most N tokens not predicted cached on its decode "
      "node straight to that node, which computes it (no prefill engine); 0: always "
      "disaggregate"),
+    ("--bootstrap-port", _engine_port, bootstrap.DEFAULT_PORT, "PORT",
+     "--dialect sglang: the port of each prefill engine's bootstrap server (its "
+     "--disaggregation-bootstrap-port), unless its node says bootstrap_port=PORT"),
     ("--handoff-grace", _seconds, 5.0, "SECONDS",
      "after a client left between prefill and decode, how long the decode engine gets to "
      "take the KV before the router drops the request"),
@@ -312,6 +317,14 @@ def add_router_flags(
         "the fewest prefills in flight; round_robin, in turn",
     )
     add(
+        "--dialect",
+        default="vllm",
+        choices=["vllm", "sglang"],
+        help="the engines' P/D protocol: vllm, the prefill engine answers kv_transfer_params "
+        "and the decode engine pulls the KV (NixlConnector); sglang, both get the request at "
+        "once with the prefill engine's bootstrap host, port and a room",
+    )
+    add(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -362,6 +375,12 @@ def parse_router_args(
             2,
             f"{parser.prog}: error: --workers {args.workers} needs --state: without a shared "
             "pool each worker would count the slots on its own\n",
+        )
+    if args.dialect == "sglang" and args.max_local_prefill:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --max-local-prefill needs --dialect vllm: an SGLang "
+            "decode engine takes its KV from a prefill engine's bootstrap room, always\n",
         )
     # Decided and its packages imported here, before any fork; the exporter (a thread) is
     # started where the router serves (``_serve``).
@@ -433,6 +452,8 @@ def build_router(args: argparse.Namespace, mark: str | None = None) -> Router:
             queue_timeout=args.queue_timeout,
             handoff_grace=args.handoff_grace,
             max_local_prefill=args.max_local_prefill,
+            dialect=args.dialect,
+            bootstrap_port=args.bootstrap_port,
         ),
         discovery=discovery,
         keys=None if args.api_keys_file is None else KeyFile(args.api_keys_file),

@@ -293,6 +293,25 @@ def test_a_setting_the_demos_router_refuses_is_one_line(flags: list[str]) -> Non
     assert line.startswith("pd-router demo: error: "), line
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--dialect", "sglang", "--max-local-prefill", "5"],
+            "--max-local-prefill needs --dialect vllm",
+        ),
+        (["--bootstrap-port", "0"], "argument --bootstrap-port: must be a whole number from 1"),
+        (
+            ["--prefill", "http://127.0.0.1:9,bootstrap_port=x"],
+            "bootstrap_port must be a port number, got 'x'",
+        ),
+    ],
+    ids=["local-prefill", "port", "label"],
+)
+def test_sglang_settings_that_cannot_work_are_refused_at_start(flags: list[str], said: str) -> None:
+    assert said in refusal(run(*ENGINES, *flags))
+
+
 def _numeric(actions: Sequence[argparse.Action]) -> Iterator[str]:
     for option in options_of(actions).values():
         if option.number:
@@ -314,7 +333,7 @@ def test_every_numeric_flag_names_its_range(
             parse_router_args(parser, actions, [*engines, flag, bad], {})
         error = capsys.readouterr().err.splitlines()[-1]
         assert exit_info.value.code == 2, flag
-        assert re.search(rf"argument {flag}: must be .*(>=? \d|from 0 to 65535)", error), error
+        assert re.search(rf"argument {flag}: must be .*(>=? \d|from [01] to 65535)", error), error
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,7 @@ class ScriptedUpstream:
         self.on_decode_read: Callable[[], Awaitable[None]] = nothing
         self.status: dict[str, int] = {}
         self.close_error: Exception | None = None
+        self.decode_answer = DECODE_ANSWER
         # Origins that raise this error instead of answering, as Upstream.post does when
         # it could not connect.
         self.unreachable: dict[str, UpstreamError] = {}
@@ -103,7 +104,7 @@ class ScriptedUpstream:
             response = ScriptedResponse(url, PREFILL_ANSWER, self.on_prefill_read)
         else:
             await self.decode_headers()
-            response = ScriptedResponse(url, DECODE_ANSWER, self.on_decode_read)
+            response = ScriptedResponse(url, self.decode_answer, self.on_decode_read)
         response.status = self.status.get(url.split("/v1")[0], 200)
         if not url.startswith("http://prefill"):
             response.close_error = self.close_error  # closing the decode stream fails

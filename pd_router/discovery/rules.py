@@ -30,7 +30,7 @@ from typing import Literal
 
 from pd_router.fleet.membership import DNS_SOURCE
 from pd_router.fleet.nodes import (
-    KV_EVENTS,
+    PORT_LABELS,
     Role,
     check_labels,
     checked_slots,
@@ -86,10 +86,10 @@ def parse_dns_spec(text: str, role: Role) -> DnsSpec:
             )
         if key == "slots":
             slots = parse_slots(value, text)
-        elif key == KV_EVENTS:
-            # Where its engines publish KV events: that port on each address (the HTTP
-            # port's way: one port for every address the name lists).
-            labels[key] = str(parse_port(value, text))
+        elif key in PORT_LABELS:
+            # Where its engines publish KV events, or serve SGLang's bootstrap: that port on
+            # each address (the HTTP port's way: one port for every address the name lists).
+            labels[key] = str(parse_port(value, text, key))
         elif difflib.get_close_matches(key.lower(), ["slots"], cutoff=0.75):
             raise ValueError(f"{text!r}: unknown option {key!r} (did you mean slots?)")
         else:

@@ -1,5 +1,6 @@
 """What engines are sent and what they answer: one HTTP/1.1 connection (``connection``),
-keep-alive pools and error kinds (``client``), the P/D handshake dialect (``handshake``),
+keep-alive pools and error kinds (``client``), the P/D handshake dialects (vLLM's
+``handshake``, SGLang's ``bootstrap``),
 server-sent events (``sse``), and the router's own reads of each engine: health probes,
 model lists, the stall watch's clock (``watch``).
 

@@ -1,8 +1,10 @@
-"""vLLM's P/D dialect (NixlConnector pull): what prefill and decode are sent, and usage.
+"""vLLM's P/D dialect (NixlConnector pull): what prefill and decode are sent, and usage;
+and what a decode engine is handed in either dialect (``Prefilled``).
 
 The prefill engine computes the prompt's KV and keeps it pinned for the decode engine to
 pull; its answer carries ``kv_transfer_params`` naming where the blocks are. The decode
-engine gets the client's request unchanged plus exactly that object.
+engine gets the client's request unchanged plus exactly that object. (SGLang's dialect,
+``bootstrap.py``, sends both engines one request at once.)
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Prefilled:
         "prompt_tokens",
         "prompt_token_ids",
         "is_local",
+        "sent",
     )
 
     def __init__(self, answer: Any) -> None:
@@ -113,6 +116,8 @@ class Prefilled:
             # computes the prompt itself and answers it.
             params, self.is_local = {}, True
         self.kv_transfer_params: dict[str, Any] = params
+        # SGLang's dialect: the request the decode engine gets, as the prefill engine got it.
+        self.sent: dict[str, Any] | None = None
         usage = answer.get("usage")
         # The engine's count of the prompt: what the router's estimate learns from.
         self.prompt_tokens: object = usage.get("prompt_tokens") if isinstance(usage, dict) else None
@@ -136,8 +141,23 @@ class Prefilled:
         prefilled.is_local = True
         return prefilled
 
+    @classmethod
+    def bootstrapped(cls, sent: dict[str, Any]) -> Prefilled:
+        """SGLang's dialect: the decode engine gets ``sent``, the prefill engine's request,
+        and takes the KV from it by its room; its usage is its own."""
+        prefilled = cls({"kv_transfer_params": {}})
+        prefilled.sent = sent
+        return prefilled
+
+    @property
+    def pins(self) -> bool:
+        """Whether the prefill engine keeps KV pinned until a decode engine pulls it (vLLM's
+        dialect): a decode engine's refusal is then drained, and so is a hand-off the client
+        left. SGLang's prefill engine lets go when its own request is closed."""
+        return not self.is_local and self.sent is None
+
     def fix_usage(self, usage: dict[str, Any]) -> None:
-        if self.is_local:
+        if not self.pins:
             return
         if self.prompt_details is None:
             usage.pop("prompt_tokens_details", None)

@@ -212,7 +212,8 @@ _LABEL_KEY = re.compile(r"[A-Za-z0-9_./-]+")
 
 def check_labels(labels: object) -> dict[str, str]:
     """A node's labels, as given in a config file or to the admin API: strings to strings;
-    ``kv_events`` a port number (the KV event subscriber reads it)."""
+    ``kv_events`` and ``bootstrap_port`` port numbers (``PORT_LABELS``: the router reads
+    them)."""
     if not isinstance(labels, Mapping):
         raise ValueError("labels must be a table of names to strings")
     checked = {}
@@ -221,7 +222,7 @@ def check_labels(labels: object) -> dict[str, str]:
             raise ValueError(f"label name {key!r}: use letters, digits and _ . / - only")
         if not isinstance(value, str):
             raise ValueError(f"label {key!r} must be a string, got {value!r}")
-        checked[key] = str(parse_port(value, KV_EVENTS)) if key == KV_EVENTS else value
+        checked[key] = str(parse_port(value, key, key)) if key in PORT_LABELS else value
     return checked
 
 
@@ -233,10 +234,16 @@ MAX_SLOTS = 1_000_000
 # The label naming the port an engine publishes its KV cache events on (vLLM's
 # ``--kv-events-config`` ZMQ endpoint), on the host of its URL: ``,kv_events=5557``.
 KV_EVENTS = "kv_events"
+# The label naming a prefill engine's bootstrap port, on the host of its URL (SGLang's
+# ``--disaggregation-bootstrap-port``), when it is not the router's ``--bootstrap-port``.
+BOOTSTRAP_PORT = "bootstrap_port"
+# Labels whose value is a port number, checked wherever a label is given.
+PORT_LABELS = (KV_EVENTS, BOOTSTRAP_PORT)
 
 
 def parse_spec(spec: str) -> NodeSpec:
-    """``URL``, ``URL,slots=N``, ``URL,kv_events=PORT`` -> NodeSpec.
+    """``URL``, ``URL,slots=N``, ``URL,kv_events=PORT``, ``URL,bootstrap_port=PORT`` ->
+    NodeSpec.
 
     A comma is shell-safe and cannot appear in a host:port URL, so it separates options
     without quoting.
@@ -246,21 +253,23 @@ def parse_spec(spec: str) -> NodeSpec:
     labels = {}
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
-        if key.strip() == KV_EVENTS:
-            labels[KV_EVENTS] = str(parse_port(value, spec))
+        key = key.strip()
+        if key in PORT_LABELS:
+            labels[key] = str(parse_port(value, spec, key))
             continue
-        if key.strip() != "slots":
-            raise ValueError(f"{spec!r}: unknown node option {key!r} (known: slots, kv_events)")
+        if key != "slots":
+            known = ", ".join(("slots", *PORT_LABELS))
+            raise ValueError(f"{spec!r}: unknown node option {key!r} (known: {known})")
         slots = parse_slots(value, spec)
     return NodeSpec(normalise_url(url, spec), slots, labels)
 
 
-def parse_port(value: str, spec: str) -> int:
-    """The ``PORT`` of a ``kv_events=PORT`` option of ``spec``."""
+def parse_port(value: str, spec: str, name: str = KV_EVENTS) -> int:
+    """The ``PORT`` of a ``NAME=PORT`` option of ``spec`` (``PORT_LABELS``)."""
     # ASCII digits only: int() reads other scripts' digits, and "²" passed isdigit().
     port = int(value) if value.isascii() and value.isdigit() else 0
     if not 0 < port < 65536:
-        raise ValueError(f"{spec!r}: kv_events must be a port number, got {value!r}")
+        raise ValueError(f"{spec!r}: {name} must be a port number, got {value!r}")
     return port
 
 

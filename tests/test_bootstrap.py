@@ -1,0 +1,238 @@
+"""SGLang's dialect (``--dialect sglang``): what both engines are sent (no I/O), and the
+relay in-process under asyncio and trio with scripted engines: one request to both at
+once, the decode engine's answer relayed, a prefill failure ending the request at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+
+from pd_router.engines import bootstrap
+from pd_router.errors import UpstreamError
+from pd_router.relay import Relay, Router
+from tests.test_relay import (
+    BODY,
+    Client,
+    ScriptedUpstream,
+    make_router,
+    outcomes,
+    served,
+)
+
+FIELDS = set(bootstrap.FIELDS)
+
+
+def test_both_engines_get_the_body_with_the_prefill_engines_host_port_and_a_room() -> None:
+    body = {**BODY, "bootstrap_host": "evil.example", "bootstrap_room": 7}
+    sent = bootstrap.request(body, "10.0.0.5", 8998)
+    assert sent == {**BODY, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998,
+                    "bootstrap_room": sent["bootstrap_room"]}  # fmt: skip
+    assert body["bootstrap_host"] == "evil.example", "the client's body is left as it was"
+    rooms = {bootstrap.request(BODY, "h", 1)["bootstrap_room"] for _ in range(1000)}
+    assert len(rooms) == 1000 and all(0 <= room < 2**63 for room in rooms)
+
+
+def test_a_batch_gets_one_room_per_sequence() -> None:
+    prompts = {**BODY, "prompt": ["a", "b", "c"]}
+    assert bootstrap.sequences(prompts, chat=False) == 3
+    assert bootstrap.sequences({**BODY, "prompt": [[1, 2], [3]]}, chat=False) == 2
+    assert bootstrap.sequences({**BODY, "prompt": [1, 2, 3]}, chat=False) is None, "token ids"
+    assert bootstrap.sequences({**BODY, "n": 2}, chat=False) is None, "as sgl-router counts"
+    assert bootstrap.sequences({"messages": [], "n": 4}, chat=True) == 4
+    assert bootstrap.sequences({"messages": [], "n": 1}, chat=True) is None
+    sent = bootstrap.request(prompts, "h", 9, batch=3)
+    assert sent["bootstrap_host"] == ["h"] * 3 and sent["bootstrap_port"] == [9] * 3
+    assert len(set(sent["bootstrap_room"])) == 3
+
+
+def test_an_ipv6_host_is_bracketed_as_sglang_dials_it() -> None:
+    assert bootstrap.host_of("http://[fd00::1]:30000") == "[fd00::1]"
+    assert bootstrap.host_of("https://prefill-0.prefill.svc:30000/v") == "prefill-0.prefill.svc"
+
+
+def sglang_router(upstream: ScriptedUpstream, **kwargs: Any) -> Router:
+    router = make_router(upstream, **kwargs)
+    router.settings.dialect = "sglang"
+    return router
+
+
+def sent_to(upstream: ScriptedUpstream, origin: str) -> list[dict[str, Any]]:
+    return [body for url, body in upstream.sent if url.startswith(origin)]
+
+
+def paired(upstream: ScriptedUpstream) -> ScriptedUpstream:
+    """Engines as SGLang's pair: the decode engine answers once the prefill engine has the
+    request (it takes the KV from it), the prefill engine once a decode engine took it."""
+    computing, taken = anyio.Event(), anyio.Event()
+
+    async def compute() -> None:
+        computing.set()
+
+    async def take() -> None:
+        await computing.wait()
+        taken.set()
+
+    async def answer_once_taken() -> None:
+        await taken.wait()
+
+    upstream.prefill_headers, upstream.decode_headers = compute, take
+    upstream.on_prefill_read = answer_once_taken
+    return upstream
+
+
+@pytest.mark.anyio
+async def test_one_request_goes_to_both_engines_and_the_decode_answer_to_the_client() -> None:
+    upstream = paired(ScriptedUpstream())
+    router = sglang_router(upstream)
+    router.fleet.prefill.nodes[0].labels["bootstrap_port"] = "31000"
+    client = await served(router, dict(BODY))
+    (prefill,) = sent_to(upstream, "http://prefill0")
+    (decode,) = sent_to(upstream, "http://decode")
+    assert prefill == decode, "one request, to both"
+    assert {key: prefill[key] for key in FIELDS} == {
+        "bootstrap_host": "prefill0",
+        "bootstrap_port": 31000,  # the node's label over --bootstrap-port
+        "bootstrap_room": prefill["bootstrap_room"],
+    }
+    assert "kv_transfer_params" not in prefill and prefill["max_tokens"] == BODY["max_tokens"]
+    assert client.messages[0]["status"] == 200
+    # The decode engine's usage is its own: nothing of the prefill's is put in it.
+    assert orjson.loads(client.messages[-1]["body"])["usage"] == {"prompt_tokens": 2}
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+    assert not router.fleet.prefill.nodes[0].bound, "the prefill placement was released"
+    assert all(response.closed for response in upstream.responses)
+
+
+@pytest.mark.anyio
+async def test_without_a_label_the_prefill_engine_is_dialled_on_the_bootstrap_port() -> None:
+    upstream = ScriptedUpstream()
+    router = sglang_router(upstream)
+    router.settings.bootstrap_port = 8999
+    await served(router, dict(BODY))
+    assert sent_to(upstream, "http://decode")[0]["bootstrap_port"] == 8999
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["500", "refused"])
+async def test_a_prefill_that_fails_before_the_answer_began_fails_the_request_at_once(
+    how: str,
+) -> None:
+    """The decode engine would wait for KV that never comes (until SGLang's own timeout,
+    minutes): the request ends as soon as the prefill failed, its decode request closed."""
+    upstream = ScriptedUpstream()
+    if how == "500":
+        upstream.status["http://prefill0"] = 500
+    else:
+        upstream.unreachable["http://prefill0"] = UpstreamError(
+            "http://prefill0: unreachable: refused", kind="unreachable"
+        )
+
+    async def waits_for_kv() -> None:
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = waits_for_kv
+    router = sglang_router(upstream)
+    with anyio.fail_after(10):
+        client = await served(router, {**BODY, "stream": True})
+    assert client.messages[0]["status"] == (500 if how == "500" else 502), "as for vLLM's"
+    error = orjson.loads(client.messages[-1]["body"])["error"]
+    assert error["message"].startswith("prefill engine http://prefill0"), error
+    assert outcomes(router) == {("completions", "prefill_error"): 1}
+    p0 = router.fleet.prefill.nodes[0]
+    assert p0.failures == 1 and not p0.bound
+    assert router.fleet.pool.nodes[0].failures == 0, "nothing said against the decode engine"
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+    assert all(response.closed for response in upstream.responses)
+
+
+@pytest.mark.anyio
+async def test_a_prefill_that_fails_once_the_answer_began_leaves_the_answer_whole() -> None:
+    upstream = ScriptedUpstream()
+    upstream.decode_answer = b'data: {"choices":[{"text":" hi"}]}\n\ndata: [DONE]\n\n'
+    upstream.status["http://prefill0"] = 500
+    started = anyio.Event()
+    client = Client()
+    router = sglang_router(upstream)
+    p0 = router.fleet.prefill.nodes[0]
+
+    async def fail_once_the_answer_began() -> None:
+        await started.wait()
+
+    async def send(message: dict[str, Any]) -> None:
+        await client.send(message)
+        if message["type"] == "http.response.start":
+            started.set()
+            with anyio.fail_after(5):  # the answer goes on once the prefill has failed
+                while not p0.failures:
+                    await anyio.sleep(0.001)
+
+    upstream.prefill_headers = fail_once_the_answer_began
+    await Relay(router, "completions", {**BODY, "stream": True}, "r")(
+        {}, client.receive, send  # type: ignore[arg-type]
+    )
+    assert client.messages[0]["status"] == 200
+    assert b"".join(m.get("body", b"") for m in client.messages) == upstream.decode_answer
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert p0.failures == 1, "the engine's failure still counts"
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+@pytest.mark.anyio
+async def test_the_prefill_answer_is_not_waited_for_once_the_decode_answer_is_whole() -> None:
+    upstream = paired(ScriptedUpstream())
+
+    async def never() -> None:
+        await anyio.sleep(3600)
+
+    upstream.on_prefill_read = never
+    router = sglang_router(upstream)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert all(response.closed for response in upstream.responses), "the prefill closed"
+    assert not router.fleet.prefill.nodes[0].bound and router.fleet.pool.in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_decode_engine_out_of_reach_hands_the_same_room_to_another() -> None:
+    """The prefill engine waits for whichever decode engine asks for its room."""
+    upstream = paired(ScriptedUpstream())
+    upstream.unreachable["http://decode0"] = UpstreamError(
+        "http://decode0: unreachable: refused", kind="unreachable"
+    )
+    router = sglang_router(upstream, decodes=2)
+    client = await served(router, dict(BODY))
+    first, second = sent_to(upstream, "http://decode")
+    assert first == second == sent_to(upstream, "http://prefill0")[0]
+    assert client.messages[0]["status"] == 200
+    assert router.fleet.pool.in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_client_gone_closes_both_requests_at_once() -> None:
+    """SGLang's engines let go of a request's KV when it is closed: no grace, no drain."""
+    upstream = ScriptedUpstream()
+    client = Client()
+    decode_sent = anyio.Event()
+
+    async def decode_waits() -> None:
+        decode_sent.set()
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = decode_waits
+    router = sglang_router(upstream, grace=60)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Relay(router, "completions", dict(BODY), "r"), {}, client.receive,
+                          client.send)  # fmt: skip
+            await decode_sent.wait()
+            client.gone.set()
+    assert len(upstream.sent) == 2, "nothing more was sent (no drain)"
+    assert all(response.closed for response in upstream.responses)
+    assert outcomes(router) == {("completions", "client_aborted"): 1}
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}

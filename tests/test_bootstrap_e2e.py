@@ -1,0 +1,114 @@
+"""SGLang's dialect end to end: a real router process (``--dialect sglang``) in front of
+simulated engines speaking it (``python -m pd_router.sim ... --dialect sglang``: the
+prefill holds the KV under its room until a decode engine takes it, and answers then), the
+``openai`` SDK as the client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pd_router.sim.fleet import SimFleet
+from tests.helpers import RouterProcess, wait_for
+
+SGLANG = ["--dialect", "sglang"]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    # A decode engine whose room never comes gives up after the prefill's default 30 s.
+    with SimFleet(1, 2, prefill_args=SGLANG, decode_args=SGLANG) as sims:
+        yield sims
+
+
+def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
+    # The sim serves its bootstrap on its HTTP port: each node says so.
+    prefill = [f"{engine.url},bootstrap_port={engine.port}" for engine in fleet.prefill]
+    decode = [engine.url for engine in fleet.decode]
+    return RouterProcess(prefill, decode, *SGLANG, "--decode-slots", "4", *args)
+
+
+def client_for(router: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_and_chat_are_served_by_both_engines_at_once(fleet: SimFleet) -> None:
+    fleet.reset()
+    with router_for(fleet) as router:
+        client = client_for(router)
+        answer = client.completions.create(model="sim-model", prompt="a b c d", max_tokens=3)
+        # The decode engine generates from the tokens it took from the prefill's room.
+        assert answer.choices[0].text == " a b c"
+        stream = client.completions.create(
+            model="sim-model", prompt="e f g", max_tokens=4, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream) == " e f g e"
+        chat = client.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=2,
+            stream=True,
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
+        prefill = fleet.prefill[0].stats()
+        taken = sum(engine.stats()["transfers"] for engine in fleet.decode)
+        assert prefill["rooms_taken"] == taken == 3, prefill
+        # Each prefill answered once its room was taken, and the router read it whole.
+        wait_for(lambda: fleet.prefill[0].stats()["completed"] == 3, what="prefill answers")
+        router.assert_idle()
+        metrics = router.metrics()
+        assert metrics["pd_router_requests_total{endpoint=completions,outcome=ok}"] == 2
+        assert metrics["pd_router_requests_total{endpoint=chat,outcome=ok}"] == 1
+
+
+def test_a_failing_prefill_fails_its_request_at_once_not_at_the_decode_timeout(
+    fleet: SimFleet,
+) -> None:
+    """The decode engine would wait 30 s for a room that never comes; the router ends the
+    request as soon as the prefill engine answers its error, and closes the decode's."""
+    fleet.reset()
+    (prefill,) = fleet.prefill
+    with router_for(fleet, "--unhealthy-after", "100") as router:
+        client = client_for(router)
+        prefill.configure(fail_status=503)
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as failed:
+                client.completions.create(model="sim-model", prompt="x y", max_tokens=2)
+            took = time.monotonic() - started
+        finally:
+            prefill.configure(fail_status=None)
+        assert failed.value.status_code == 503
+        assert f"- prefill engine {prefill.url}/v1/completions: " in failed.value.message
+        assert took < 15, f"the request waited {took:.1f} s"
+        # The decode engine's request was closed: it takes no room, and frees its slot.
+        wait_for(lambda: all(e.stats()["active"] == 0 for e in fleet.decode), what="decode")
+        assert all(e.stats()["transfers"] == 0 for e in fleet.decode)
+        router.assert_idle()
+        # And the next request is served.
+        answer = client.completions.create(model="sim-model", prompt="x y", max_tokens=2)
+        assert answer.choices[0].text == " x y"
+        metrics = router.metrics()
+        assert metrics["pd_router_requests_total{endpoint=completions,outcome=prefill_error}"] == 1
+
+
+def test_concurrent_requests_each_get_their_own_room(fleet: SimFleet) -> None:
+    fleet.reset()
+    with router_for(fleet) as router:
+        client = client_for(router)
+
+        def ask(index: int) -> str:
+            answer = client.completions.create(
+                model="sim-model", prompt=f"q{index} w{index}", max_tokens=2
+            )
+            return answer.choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, range(24)))
+        assert texts == [f" q{index} w{index}" for index in range(24)]
+        assert fleet.prefill[0].stats()["rooms_taken"] == 24
+        router.assert_idle()
