@@ -14,7 +14,6 @@ import secrets
 from typing import Any
 from urllib.parse import urlsplit
 
-
 # SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_PORT = 8998
 # Rooms are 63-bit, as SGLang draws them (``random.randint(0, 2**63 - 1)``): a collision
@@ -42,9 +41,7 @@ def sequences(body: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
-def request(
-    body: dict[str, Any], host: str, port: int, batch: int | None = None
-) -> dict[str, Any]:
+def request(body: dict[str, Any], host: str, port: int, batch: int | None = None) -> dict[str, Any]:
     """The request both engines get: ``body`` with the bootstrap fields (a client's own are
     replaced: no client points an engine at a host of its choosing)."""
     out = {key: value for key, value in body.items() if key not in FIELDS}

@@ -121,8 +121,8 @@ class ErrorReplies:
         self.last: str | None = None
 
     def answered(self, redis: Redis, error: RedisError) -> StateUnavailable:
-        if str(error) != self.last:
-            self.last = str(error)
+        if error.what != self.last:
+            self.last = error.what
             log.error("%s: redis %s answered: %s", self.what, redis.settings.address, error)
         return answered(redis, error)
 

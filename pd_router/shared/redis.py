@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import select
 import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -80,6 +81,15 @@ class RedisError(Exception):
     def code(self) -> str:
         """The error's first word: ``"NOSCRIPT"``, ``"WRONGTYPE"``, ``"ERR"``..."""
         return str(self).split(" ", 1)[0]
+
+    @property
+    def what(self) -> str:
+        """The error less where a script met it (Redis 7 ends a script's error with ``script:
+        SHA, on @user_script:LINE.``): one error whichever script met it."""
+        return _SCRIPT_PLACE.sub("", str(self))
+
+
+_SCRIPT_PLACE = re.compile(r"\s*script: [0-9a-f]+, on @user_script:\d+\.?$")
 
 
 @dataclass(frozen=True)

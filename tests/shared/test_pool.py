@@ -20,7 +20,7 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from pd_router.errors import Busy, QueueTimeout, Unavailable
+from pd_router.errors import Busy, QueueTimeout, ShuttingDown, Unavailable
 from pd_router.fleet.nodes import State, make_nodes
 from pd_router.fleet.pool import Reservation
 from pd_router.shared import pool as shared_pool
@@ -635,3 +635,150 @@ async def test_releases_carried_by_an_acquisition_that_failed_are_sent_again(
             await a.acquire(0)
         await until_used(redis, 0)  # the second release, sent again
     assert gave_up_on(caplog) == []
+
+
+# ------------------------------------------------------- a slot that reached a waiter leaving
+#
+# The grant a script publishes and the waiter's own end (a cancellation, a timeout, a
+# shutdown) race: whichever comes first, the slot that reached the waiter is either the
+# waiter's or given back at once, never left in Redis until the next renewal (the lease is
+# long here: a renewal cannot hide a slot not given back).
+
+
+def grants_held(pool: SharedPool) -> list[tuple[str, str]]:
+    """The grants this router's listener hears, kept from its waiters (recorded instead):
+    a slot that reaches a waiter while the message telling it is still on its way."""
+    heard: list[tuple[str, str]] = []
+    pool._granted = lambda resid, url: heard.append((resid, url))  # type: ignore[method-assign]
+    return heard
+
+
+async def test_a_waiter_cancelled_as_its_slot_came_gives_the_slot_back(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """Cancelled, then its grant heard before it ran again: the waiter raises the
+    cancellation, and the slot handed to it goes back to Redis at once."""
+    async with router(redis_server, lease=600.0) as a, router(redis_server, lease=600.0) as b:
+        held = await a.acquire(0)
+        scope = anyio.CancelScope()
+        got: list[Reservation] = []
+        deliver = b._granted
+
+        def cancelled_first(resid: str, url: str) -> None:
+            scope.cancel()  # the cancellation is on its way to the waiter ...
+            deliver(resid, url)  # ... when its slot comes
+
+        b._granted = cancelled_first  # type: ignore[method-assign]
+
+        async def wait() -> None:
+            with scope:
+                got.append(await b.acquire(60))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await until(lambda: b.queue_depth == 1)  # in Redis's queue
+            held.release()
+        assert got == [] and scope.cancelled_caught
+        await until_used(redis, 0, seconds=10)  # given back, not held until a renewal
+        assert b.queue_depth == 0 and b.in_use == 0
+        b._granted = deliver  # type: ignore[method-assign]
+        again = await a.acquire(0)
+        again.release()
+        await until_used(redis, 0, seconds=10)
+
+
+async def test_a_waiter_failed_after_its_slot_came_unheard_gives_the_slot_back(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    """The router shuts down (``fail_waiters``) while the grant to one of its waiters is
+    still on its way: the waiter's leaving finds the slot handed to it, and gives it back
+    (the waiter fails as told, nothing is left taken)."""
+    async with router(redis_server, lease=600.0) as a, router(redis_server, lease=600.0) as b:
+        held = await a.acquire(0)
+        heard = grants_held(b)
+        errors: list[Exception] = []
+
+        async def wait() -> None:
+            try:
+                await b.acquire(60)
+            except ShuttingDown as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await until(lambda: b.queue_depth == 1)  # in Redis's queue
+            held.release()
+            await until(lambda: len(heard) == 1, seconds=10)  # the slot is the waiter's
+            assert await used(redis) == 1
+            b.fail_waiters(ShuttingDown("router shutting down"))
+        assert len(errors) == 1 and b.in_use == 0 and b.queue_depth == 0
+        await until_used(redis, 0, seconds=10)  # given back, not held until a renewal
+
+
+async def test_an_acquisition_cancelled_as_it_starts_is_served_then_cancelled_taking_nothing(
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client went away as its request came: the script that takes the slot runs
+    shielded, the reservation is in hand when the cancellation is delivered (in ``reserve``,
+    which gives it back), and no slot is left for a renewal to find as a call given up on."""
+    caplog.set_level(logging.WARNING)
+    async with router(redis_server, lease=600.0) as a:
+        for _ in range(3):
+            got: list[Reservation] = []
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                async with a.reserve(0) as reservation:
+                    got.append(reservation)
+                    await anyio.sleep(0)  # the cancellation, delivered here
+            assert len(got) == 1 and scope.cancelled_caught
+            await until_used(redis, 0, seconds=10)
+        assert a.in_use == 0
+    assert gave_up_on(caplog) == []
+
+
+async def test_a_release_held_back_goes_when_the_hold_runs_out_with_no_acquisition_following(
+    redis_server: RedisServer, redis: Redis, long_room: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Slots not short, a release waits ``HOLD`` for an acquisition to carry it; none comes:
+    it is sent when the hold runs out (on asyncio by the loop's timer, on trio by the
+    worker), not left counted in Redis until the next renewal (the lease is long here)."""
+    caplog.set_level(logging.WARNING)
+    async with router(redis_server, slots=2, lease=600.0) as a:
+        for _ in range(3):
+            held = await a.acquire(0)  # its node had room: the release is held back
+            held.release()
+            await until_used(redis, 0, seconds=10)
+    assert gave_up_on(caplog) == []
+
+
+async def test_an_error_reply_is_logged_once_whichever_script_met_it(
+    redis_server: RedisServer, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refuses the scripts (a master demoted to a replica, as in a failover): each
+    acquisition is a 503 naming the error's code, never Redis's text, which is logged at
+    ERROR once while it lasts. Redis 7 ends a script's error with the script and line, so
+    an acquisition's and the renewal it asks for differed: logged again at each switch
+    (3 lines for 5 requests, and on for as long as it lasted). Then serving goes on."""
+    caplog.set_level(logging.ERROR)
+    async with router(redis_server, lease=600.0) as a:
+        await redis.call("REPLICAOF", "127.0.0.1", "9")  # a master nobody can reach
+        try:
+            for _ in range(5):
+                with pytest.raises(Unavailable) as refused:
+                    await a.acquire(0)
+                assert refused.value.status == 503
+                assert "answered READONLY" in refused.value.message
+                assert "replica" not in refused.value.message
+                await anyio.sleep(0)  # the renewal each failure asks for runs
+        finally:
+            await redis.call("REPLICAOF", "NO", "ONE")
+        assert caplog.text.count("read only replica") == 1, caplog.text
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    held = await a.acquire(0)
+                    break
+                except Unavailable:
+                    await anyio.sleep(0.05)
+        held.release()
+        await until_used(redis, 0)

@@ -19,7 +19,7 @@ from pd_router.shared.redis import (
     Settings,
     parse_url,
 )
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import DroppingProxy, RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -134,6 +134,16 @@ async def test_a_script_runs_by_sha_and_is_sent_again_after_script_flush(
     failing = Script("return redis.call('NOSUCHCOMMAND')")
     with pytest.raises(RedisError, match="Unknown Redis command"):
         await failing.run(redis, [], [])
+
+
+async def test_a_script_that_failed_after_writing_is_not_sent_again(redis: Redis, key: str) -> None:
+    """Only NOSCRIPT (nothing ran) sends the script whole: any other error reply may come
+    after the script wrote (Redis does not undo a script's writes), so it is not run twice."""
+    script = Script("redis.call('INCR', KEYS[1]) return redis.error_reply('ERR refused')")
+    assert await redis.call("SCRIPT", "LOAD", script.source) == script.sha.encode()
+    with pytest.raises(RedisError, match="refused"):
+        await script.run(redis, [key], [])
+    assert await redis.call("GET", key) == b"1", "ran once"
 
 
 async def test_select_db(redis_server: RedisServer, redis: Redis, key: str) -> None:
@@ -361,3 +371,22 @@ async def test_rediss_speaks_tls_and_sees_a_restart_through_it() -> None:
         async with Redis(settings, timeout=TIMEOUT) as redis:  # the system's CAs: refused
             with pytest.raises(RedisUnavailable, match="cannot connect: .*certificate verify"):
                 await redis.call("PING")
+
+
+async def test_bytes_beyond_a_reply_close_the_connection_and_answer_no_later_call(
+    redis_server: RedisServer, key: str
+) -> None:
+    """A reply came with more after it (a proxy or a server out of step): the connection is
+    closed, not pooled, lest the bytes that followed be read as the next command's reply."""
+    proxy = DroppingProxy(redis_server.port)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(proxy.serve)
+        async with Redis(Settings("127.0.0.1", port), timeout=TIMEOUT) as redis:
+            await redis.call("SET", key, "real")
+            proxy.lying = b":1\r\n:2\r\n"  # two replies where one was asked for
+            assert await redis.call("PING") == 1
+            proxy.lying = None
+            assert not redis._idle, "the connection out of step was closed"
+            for _ in range(3):
+                assert await redis.call("GET", key) == b"real"
+        tg.cancel_scope.cancel()
