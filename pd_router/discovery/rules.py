@@ -120,7 +120,7 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
     name, colon, port_text = target.rpartition(":")
     if not colon:
         name, port_text = target, ""
-    if not _NAME.fullmatch(name) or "://" in text:
+    if not _NAME.fullmatch(name) or "://" in target:
         raise ValueError(f"{text!r}: expected a DNS name and port: NAME:PORT (vllm-decode:8200)")
     if name.startswith("_"):
         if colon:
@@ -130,10 +130,9 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
         return name, None
     if not colon:
         raise ValueError(f"{text!r}: the port is missing: NAME:PORT (an SRV name starts with _)")
-    try:
-        port = int(port_text)
-    except ValueError:
-        port = 0
+    # ASCII digits only, as every other port given: int() takes "8_200", "+8200", " 8200"
+    # and other scripts' digits.
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
     if not 1 <= port <= 65535:
         raise ValueError(f"{text!r}: the port must be a whole number from 1 to 65535")
     return name, port

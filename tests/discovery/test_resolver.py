@@ -72,6 +72,23 @@ async def test_an_srv_record_with_port_0_is_skipped_and_the_rest_is_the_answer(
     assert answer.outcome == "ok" and answer.addresses == {"http://10.0.0.2:8201"}
 
 
+async def test_an_srv_target_of_dot_is_not_looked_up(server: DnsServer) -> None:
+    """RFC 2782: a target of "." says the service is not there. Looking it up anyway (here
+    a query nobody answers, as from a forwarder with no way out) would fail every lookup of
+    the name, and the fleet would no longer follow it."""
+    server.set(
+        {
+            "_http._tcp.decode.test.": {
+                "SRV": [[0, 0, 8200, "."], [0, 0, 8201, "d1.decode.test."]]
+            },
+            ".": {"drop": ["A", "AAAA"]},
+            "d1.decode.test.": {"A": ["10.0.0.2"]},
+        }
+    )
+    answer = await resolver(server).lookup(parse_dns_spec("_http._tcp.decode.test", "decode"))
+    assert answer.outcome == "ok" and answer.addresses == {"http://10.0.0.2:8201"}
+
+
 async def test_a_name_that_does_not_exist_or_has_no_address_is_empty(server: DnsServer) -> None:
     server.set({"other.test.": {"TXT": ['"x"']}})
     for spec in ("missing.test:1", "other.test:1", "_http._tcp.missing.test"):
@@ -197,6 +214,70 @@ async def test_an_address_two_names_list_stays_until_neither_does(server: DnsSer
     assert await round_of(["10.0.0.2"], ["10.0.0.1"]) == [(0, State.SERVING), (1, State.SERVING)]
     # Dropped by both: drained, and removed at once (it holds nothing).
     assert await round_of(["10.0.0.2"], ["10.0.0.3"]) == [(1, State.SERVING), (2, State.SERVING)]
+
+
+async def test_a_decode_address_its_name_drops_goes_though_a_prefill_name_lists_it(
+    server: DnsServer,
+) -> None:
+    """Only another name of the node's role keeps a node its name stopped listing: one engine
+    serving both roles is a prefill node and a decode node, followed each by its own name.
+    The decode name dropping the address drains (and, idle, removes) the decode node; the
+    prefill node stays the prefill name's, and goes when that name drops it in turn."""
+    fleet, look = discovering(server, "prefill p.test:8000", "decode d.test:8000")
+
+    async def round_of(p: list[str], d: list[str]) -> list[tuple[str, str, State]]:
+        server.set({"p.test.": {"A": p}, "d.test.": {"A": d}})
+        await look()
+        return sorted((n.role, n.url, n.state) for n in fleet.nodes)
+
+    one, two, three = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+    assert await round_of(["10.0.0.1"], ["10.0.0.1"]) == [
+        ("decode", one, State.SERVING),
+        ("prefill", one, State.SERVING),
+    ]
+    for _ in range(2):
+        assert await round_of(["10.0.0.1"], ["10.0.0.2"]) == [
+            ("decode", two, State.SERVING),
+            ("prefill", one, State.SERVING),
+        ]
+    assert await round_of(["10.0.0.3"], ["10.0.0.2"]) == [
+        ("decode", two, State.SERVING),
+        ("prefill", three, State.SERVING),
+    ]
+
+
+async def test_a_name_listing_again_an_address_it_handed_over_finds_no_new_node(
+    server: DnsServer,
+) -> None:
+    """The node stays the other name's, which still lists it: the first name does not find
+    it again (an ``added`` more in ``pd_router_discovery_changes``, a "found" log line, a
+    probe of a serving node), and takes it back only when the other name drops it."""
+    fleet = Fleet([], [])
+    members = LocalMembership(fleet)
+    first = Group(parse_dns_spec("a.test:8200", "decode"))
+    second = Group(parse_dns_spec("b.test:8200", "decode"))
+    discovery = Discovery([first, second])
+    probed: list[str] = []
+
+    async def probe(node: Node) -> None:
+        probed.append(node.url)
+        fleet.probed(node)
+
+    async def round_of(a: list[str], b: list[str]) -> list[str]:
+        probed.clear()
+        server.set({"a.test.": {"A": a}, "b.test.": {"A": b}})
+        await discover_once(discovery, fleet, members, resolver(server).lookup, probe)
+        return [n.url for n in fleet.pool.nodes]
+
+    one, two, three = "http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.3:8200"
+    assert await round_of(["10.0.0.1"], ["10.0.0.1"]) == [one]
+    assert await round_of(["10.0.0.2"], ["10.0.0.1"]) == [one, two]  # the second name's now
+    assert await round_of(["10.0.0.1", "10.0.0.2"], ["10.0.0.1"]) == [one, two]
+    assert probed == [] and (first.changes["added"], second.changes["added"]) == (2, 0)
+    assert await round_of(["10.0.0.1", "10.0.0.2"], ["10.0.0.3"]) == [one, two, three]
+    assert await round_of(["10.0.0.2"], ["10.0.0.3"]) == [two, three]
+    assert first.changes == {"added": 2, "drained": 1, "rejoined": 0, "removed": 1}
+    assert second.changes == {"added": 1, "drained": 0, "rejoined": 0, "removed": 0}
 
 
 def discovering(server: DnsServer, *names: str) -> tuple[Fleet, Callable[[], Awaitable[None]]]:

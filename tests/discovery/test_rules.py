@@ -4,11 +4,13 @@ drains, rejoins, removals once empty or after the bound, and answers that change
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
 
 from pd_router.discovery.loop import apply
-from pd_router.discovery.rules import Answer, Discovery, Group, dns_spec, parse_dns_spec
+from pd_router.discovery.rules import IPV6, Answer, Discovery, Group, dns_spec, parse_dns_spec
 from pd_router.errors import Evidence
 from pd_router.fleet.membership import LocalMembership
 from pd_router.fleet.nodes import Failure, Node, State, make_nodes
@@ -65,6 +67,7 @@ def by_url(fleet: Fleet) -> dict[str, tuple[int, State]]:
         ),
         ("d:1,zone=a,gpu=h100", "d", 1, None, {"zone": "a", "gpu": "h100"}),
         ("_http._tcp.vllm-decode,slots=2", "_http._tcp.vllm-decode", None, 2, {}),
+        ("d:65535", "d", 65535, None, {}),
     ],
 )
 def test_specs(
@@ -82,6 +85,12 @@ def test_specs(
         ("vllm-decode:0", "the port must be a whole number from 1 to 65535"),
         ("vllm-decode:http", "the port must be a whole number from 1 to 65535"),
         ("http://vllm-decode:8200", "expected a DNS name and port"),
+        ("http://vllm-decode", "expected a DNS name and port"),
+        ("vllm-decode:65536", "the port must be a whole number from 1 to 65535"),
+        # ASCII digits only, as slots= and kv_events= take them (int() took all of these).
+        ("d:8_200", "the port must be a whole number from 1 to 65535"),
+        ("d:+8200", "the port must be a whole number from 1 to 65535"),
+        ("d:٨٢٠٠", "the port must be a whole number from 1 to 65535"),
         ("bad name:1", "expected a DNS name and port"),
         ("_http._tcp.d:8200", "an SRV name (starting with _) takes its port from the records"),
         ("d:1,slots=0", "slots must be at least 1"),
@@ -98,6 +107,13 @@ def test_bad_specs_say_what_is_wrong(text: str, message: str) -> None:
     with pytest.raises(ValueError) as raised:
         parse_dns_spec(text, "decode")
     assert str(raised.value).startswith(f"{text!r}: ") and message in str(raised.value)
+
+
+def test_a_label_may_hold_a_url() -> None:
+    """Only the name is no URL: a label's value is the operator's (it was refused as
+    "expected a DNS name and port")."""
+    spec = parse_dns_spec("d:8200,docs=http://wiki/decode", "decode")
+    assert (spec.name, spec.port, dict(spec.labels)) == ("d", 8200, {"docs": "http://wiki/decode"})
 
 
 def test_a_spec_from_a_table_is_checked_the_same_way() -> None:
@@ -179,7 +195,10 @@ def test_a_gone_address_drains_and_is_removed_once_empty() -> None:
     assert discovery.groups[0].changes == {"added": 2, "drained": 1, "rejoined": 0, "removed": 1}
 
 
-def test_a_gone_node_still_busy_after_the_bound_is_removed_failing_its_requests() -> None:
+def test_a_gone_node_still_busy_after_the_bound_is_removed_failing_its_requests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pd_router.discovery")
     fleet, discovery, clock = setup()
     (a,) = answer(fleet, discovery, A)
     fleet.probed(a)
@@ -201,6 +220,9 @@ def test_a_gone_node_still_busy_after_the_bound_is_removed_failing_its_requests(
         assert a not in fleet.pool.nodes
         assert [type(e).__name__ for e in failed] == ["NodeDead"]
         assert "was removed" in str(failed[0])
+    (removal,) = (r for r in caplog.records if "removed" in r.getMessage())
+    assert removal.levelno == logging.WARNING
+    assert removal.getMessage().endswith("removed 30 s after it left DNS, failing its 1 requests")
 
 
 def test_an_address_back_before_removal_rejoins_under_its_id_after_removal_gets_a_new_one() -> None:
@@ -334,6 +356,7 @@ def test_an_operators_drain_of_a_node_gone_from_dns_is_kept_when_the_address_ret
     assert (a.state, a.reason) == (State.DRAINING, "drained")
     answer(fleet, discovery, A, B)
     assert (a.state, a.reason) == (State.DRAINING, "drained")
+    assert discovery.groups[0].changes["rejoined"] == 0, "the node did not join again"
 
 
 def test_a_joining_node_gone_before_its_first_probe_is_removed() -> None:
@@ -355,3 +378,81 @@ def test_a_dns_name_gives_its_engines_kv_event_port_as_it_gives_their_http_port(
     assert spec.labels == {"kv_events": "5557"}
     with pytest.raises(ValueError, match="kv_events must be a port number"):
         parse_dns_spec("prefill.test:8100,kv_events=lots", "prefill")
+
+
+def test_a_node_gone_from_dns_stays_gone_while_its_address_family_does_not_answer() -> None:
+    """README: a family whose queries fail keeps the addresses it listed, as they are. Not
+    one the name had stopped listing: its node drains on, and is not taken back (joining,
+    then serving at its next good probe) because AAAA queries started to fail."""
+    fleet, discovery, _ = setup()
+    v6 = "http://[fd00::1]:8200"
+    a, b = answer(fleet, discovery, A, v6)
+    assert b.url == v6
+    fleet.probed(a)
+    fleet.probed(b)
+    b.bound.add("r1")  # kept while it drains
+    answer(fleet, discovery, A)  # both families answered: the IPv6 address is gone
+    assert (b.state, b.reason) == (State.DRAINING, GONE)
+    refused = Answer(frozenset({A}), unknown=frozenset({IPV6}), partial="AAAA decode.test: REFUSED")
+    for _ in range(2):
+        assert applied(discovery, refused, fleet) == []
+        assert (b.state, b.reason) == (State.DRAINING, GONE)
+    assert discovery.groups[0].changes == {"added": 2, "drained": 1, "rejoined": 0, "removed": 0}
+    b.bound.clear()
+    applied(discovery, refused, fleet)
+    assert b not in fleet.pool.nodes, "drained and removed, as without the failing family"
+
+
+def test_a_gone_node_with_a_slot_still_reserved_is_not_removed() -> None:
+    """A request holds a slot on the node before it is bound to it (between its
+    reservation and its first byte to the engine): the node is not idle yet."""
+    fleet, discovery, _ = setup()
+    a, b = answer(fleet, discovery, A, B)
+    fleet.probed(a)
+    fleet.probed(b)
+    a.in_use = 1
+    answer(fleet, discovery, B)
+    answer(fleet, discovery, B)
+    assert a in fleet.pool.nodes and (a.state, a.reason) == (State.DRAINING, GONE)
+    a.in_use = 0
+    answer(fleet, discovery, B)
+    assert a not in fleet.pool.nodes
+
+
+def test_lookup_outcomes_are_logged_when_they_change_not_once_per_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """README: the first failure of a run, the first empty answer, the first answer after
+    either; a family that stops answering once, and once when it answers again."""
+    caplog.set_level(logging.INFO, logger="pd_router.discovery")
+    fleet, discovery, _ = setup()
+    failed = Answer(failure="A decode.test: no answer within 1 s")
+    partial = Answer(frozenset({A}), unknown=frozenset({IPV6}), partial="AAAA decode.test: REFUSED")
+    rounds = [
+        Answer(frozenset({A})),
+        *[failed] * 3,
+        *[Answer()] * 2,
+        *[Answer(frozenset({A}))] * 2,
+        *[partial] * 2,
+        failed,  # says nothing of the families: the IPv6 warning stands
+        partial,
+        *[Answer(frozenset({A}))] * 2,
+    ]
+    for round_answer in rounds:
+        applied(discovery, round_answer, fleet)
+    source = "dns:decode.test:8200"
+    lines = [
+        r.getMessage().removeprefix(f"{source}: ")
+        for r in caplog.records
+        if r.name == "pd_router.discovery" and " node " not in r.getMessage()
+    ]
+    assert lines == [
+        "lookup failed: A decode.test: no answer within 1 s; the fleet is kept as it is",
+        "the name lists no address; the fleet is kept as it is",
+        "lookups answer again (1 addresses)",
+        "IPv6 lookups fail (AAAA decode.test: REFUSED); the addresses of IPv6 are kept as they are",
+        "lookup failed: A decode.test: no answer within 1 s; the fleet is kept as it is",
+        "lookups answer again (1 addresses)",
+        "lookups of every address family answer again",
+    ]
+    assert discovery.groups[0].lookups == {"ok": 8, "empty": 2, "failed": 4}
