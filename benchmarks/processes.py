@@ -1,5 +1,6 @@
-"""Benchmark process management: CPU and memory of processes by PID, the comparison router
-(vllm-router) as a process, py-spy profiles, and SIGTERM turned into an orderly exit.
+"""Benchmark process management: CPU and memory of processes by PID, the comparison routers
+(vllm-router, sglang-router) as processes, py-spy profiles, and SIGTERM turned into an
+orderly exit.
 
 Every benchmark here starts servers as processes and must stop each by its PID on every
 exit path; these are the pieces they share.
@@ -237,6 +238,66 @@ class VllmRouterProcess(ServerProcess):
         if Path(f"/proc/{pid}").exists():
             self.stop_note += "; WARNING: the pid still exists after it was reaped"
         return code
+
+
+SGLANG_ROUTER_VERSION = "0.3.2"
+SGLANG_ROUTER_VENV = Path.home() / ".cache" / "pd-router" / "sgl-venv"
+SGLANG_ROUTER_HINT = (
+    "sglang-router not found (neither on PATH nor in {venv}): python3.11 -m venv {venv} && "
+    "{venv}/bin/pip install sglang-router=={version} (~20 s), or pass --sglang-router PATH; "
+    "its columns are skipped"
+)
+
+
+class SglangRouterProcess(ServerProcess):
+    """sglang-router (SGLang's Rust router) in PD mode in front of the given engines, on
+    127.0.0.1, under the conditions ``VLLM_ROUTER_FAIR_ARGS`` gives vllm-router (both are
+    the same code base): ``prefill`` pairs a URL with its bootstrap port."""
+
+    name = "sglang-router"
+
+    def __init__(
+        self, executable: str, prefill: Sequence[tuple[str, int]], decode: Sequence[str]
+    ) -> None:
+        super().__init__()
+        self.executable = executable
+        self.prefill = list(prefill)
+        self.decode_urls = list(decode)
+        self.prometheus_port = 0
+
+    def start(self) -> SglangRouterProcess:
+        self.prometheus_port = free_port()
+        super().start()
+        return self
+
+    def command(self) -> list[str]:
+        argv = [self.executable, "launch", "--pd-disaggregation"]
+        for url, bootstrap_port in self.prefill:
+            argv += ["--prefill", url, str(bootstrap_port)]
+        for url in self.decode_urls:
+            argv += ["--decode", url]
+        return [
+            *argv,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--log-level",
+            "warn",
+            *VLLM_ROUTER_FAIR_ARGS,
+        ]
+
+
+def find_sglang_router() -> str | None:
+    """``sglang-router`` on PATH, else the one in ``SGLANG_ROUTER_VENV``."""
+    for candidate in (shutil.which("sglang-router"), SGLANG_ROUTER_VENV / "bin" / "sglang-router"):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
 
 
 def vllm_router_version(executable: str) -> str:
