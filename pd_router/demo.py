@@ -104,6 +104,9 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     # --name-prefill: each answer starts with the prefill engine whose KV it pulled.
     decode_args = ["--ttft", str(args.ttft), "--itl", str(args.itl), "--name-prefill"]
     prefill_args = ["--prefill-per-token", str(PREFILL_PER_TOKEN)]
+    # The engines speak the router's dialect (--dialect sglang: SGLang's bootstrap rooms).
+    decode_args += ["--dialect", args.dialect]
+    prefill_args += ["--dialect", args.dialect]
     with SimFleet(
         prefill=args.prefill_nodes,
         decode=args.decode_nodes,
@@ -113,14 +116,18 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
         # Not left running by a demo killed with SIGKILL (its `with` never ends then).
         preexec=partial(die_with_parent, os.getpid()),
     ) as fleet:
-        args.prefill = [engine.url for engine in fleet.prefill]
+        prefill = [engine.url for engine in fleet.prefill]
         args.decode = [engine.url for engine in fleet.decode]
+        args.prefill = prefill
+        if args.dialect == "sglang":
+            # A sim serves SGLang's bootstrap on its HTTP port.
+            args.prefill = [f"{e.url},bootstrap_port={e.port}" for e in fleet.prefill]
         try:
             router = build_router(args)
         except ValueError as exc:
             parser.error(str(exc))  # as the router's own command: one line, exit code 2
         print(
-            f"pd-router demo: {_engines(args.models, args.prefill, args.decode)}; "
+            f"pd-router demo: {_engines(args.models, prefill, args.decode)}; "
             f"try: curl http://{address(args.host, args.port)}/v1/completions "
             '-H "Content-Type: application/json" '
             f"""-d '{{"model": "{args.models[0]}", "prompt": "hello pd router", """

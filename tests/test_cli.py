@@ -529,9 +529,15 @@ def wait_models_read(url: str, token: str, count: int) -> None:
     wait_for(read, timeout=30, what="every node's models read")
 
 
-def test_the_demo_serves_each_model_on_its_own_engines_and_names_the_prefill() -> None:
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_the_demo_serves_each_model_on_its_own_engines_and_names_the_prefill(
+    dialect: str,
+) -> None:
+    """Its engines speak the router's dialect (before, --dialect sglang started vLLM
+    engines, and every request failed)."""
     mark = f"pd-router-test-cli-{uuid.uuid4().hex}"
     argv = ["demo", "--port", "0", "--models", "alpha", "beta", "--admin-token", "t"]
+    argv += ["--dialect", dialect]
     argv += ["--prefill-nodes", "1", "--decode-nodes", "1", "--ttft", "0", "--itl", "0"]
     demo = Running(argv, {"CLI_TEST_MARK": mark})
     try:
