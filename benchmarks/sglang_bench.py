@@ -219,9 +219,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             )
     if results["b_errors"]:
         print(f"   errors: {results['b_errors']}")
-    print(
-        f"   router CPU ms per request at one client ({args.ttft_requests} more, one router at a time):"
-    )
+    more = args.ttft_requests
+    print(f"   router CPU ms per request at one client ({more} more, one router at a time):")
     for name, value in results["b_cpu_ms_per_request"].items():
         print(f"     {name:22}{value:.3f}")
     a = results["a"]
