@@ -419,6 +419,7 @@ class Relay:
         url = node.url + self.path
         # Before the decode request's: both go at once, its span only marks the start.
         headers = b"" if self.trace is None else self.trace.prefill(node, url, placed[0].hit)
+        error: Exception | None = None
         try:
             async with anyio.create_task_group() as beside:
                 beside.start_soon(
@@ -430,12 +431,21 @@ class Relay:
                     beside.cancel_scope,
                     failed,
                 )
-                handed = handshake.Prefilled.bootstrapped(sent)
-                await self._hand_over(client, binding, handed, prompt)
-                # The decode engine's answer is whole: the prefill engine's is not needed.
+                try:
+                    await self._hand_over(
+                        client, binding, handshake.Prefilled.bootstrapped(sent), prompt
+                    )
+                except Exception as exc:
+                    # Raised past the task group as it is: the group would wrap it in an
+                    # ExceptionGroup, which no RouterError handler takes (a 500).
+                    error = exc
+                # The decode engine's answer is whole, or failed: the prefill engine's is not
+                # needed.
                 beside.cancel_scope.cancel()
         finally:
             prefilled()
+        if error is not None:
+            raise error
         if failed:
             self.outcome = "prefill_error"
             raise failed[0]

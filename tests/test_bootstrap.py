@@ -236,3 +236,29 @@ async def test_a_client_gone_closes_both_requests_at_once() -> None:
     assert all(response.closed for response in upstream.responses)
     assert outcomes(router) == {("completions", "client_aborted"): 1}
     assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("status", "stream"), [(500, False), (503, True), (400, False)])
+async def test_a_decode_engine_error_is_the_clients_and_closes_the_prefill(
+    status: int, stream: bool
+) -> None:
+    """As in vLLM's dialect: the engine's status, its message named with the decode engine
+    (before, an error raised inside the task group reached the client as a 500, "internal
+    router error"); a 5xx counts against the decode node only, and the prefill engine,
+    waiting for a decode engine to take its room, is closed."""
+    upstream = paired(ScriptedUpstream())
+    upstream.status["http://decode"] = status
+    router = sglang_router(upstream)
+    with anyio.fail_after(10):
+        client = await served(router, {**BODY, "stream": stream})
+    assert client.messages[0]["status"] == status
+    error = orjson.loads(client.messages[-1]["body"])["error"]
+    assert error["message"].startswith("decode engine http://decode"), error
+    outcome = "bad_request" if status < 500 else "decode_error"
+    assert outcomes(router) == {("completions", outcome): 1}
+    assert router.fleet.pool.nodes[0].failures == (status >= 500)
+    assert router.fleet.prefill.nodes[0].failures == 0
+    assert all(response.closed for response in upstream.responses)
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+    assert not router.fleet.prefill.nodes[0].bound
