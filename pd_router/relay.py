@@ -415,10 +415,12 @@ class Relay:
             if placed:
                 fleet.prefill.release(placed.pop())
                 fleet.set_prefill(binding, None)
+                if self.trace is not None:
+                    self.trace.beside_ended()
 
         url = node.url + self.path
-        # Before the decode request's: both go at once, its span only marks the start.
-        headers = b"" if self.trace is None else self.trace.prefill(node, url, placed[0].hit)
+        headers = b"" if self.trace is None else self.trace.beside(node, url, placed[0].hit)
+        handed = handshake.Prefilled.bootstrapped(sent)
         error: Exception | None = None
         try:
             async with anyio.create_task_group() as beside:
@@ -431,10 +433,9 @@ class Relay:
                     beside.cancel_scope,
                     failed,
                 )
+                del sent  # the task's and ``handed``'s: let go once the engines have it
                 try:
-                    await self._hand_over(
-                        client, binding, handshake.Prefilled.bootstrapped(sent), prompt
-                    )
+                    await self._hand_over(client, binding, handed, prompt)
                 except Exception as exc:
                     # Raised past the task group as it is: the group would wrap it in an
                     # ExceptionGroup, which no RouterError handler takes (a 500).
@@ -449,6 +450,10 @@ class Relay:
         if failed:
             self.outcome = "prefill_error"
             raise failed[0]
+        if self.outcome == "ok":
+            # The decode engine answered from the KV the prefill engine computed: its
+            # success, whether or not its own answer came before the decode's ended.
+            fleet.served(node)
 
     async def _prefill_beside(
         self,
@@ -465,9 +470,13 @@ class Relay:
         the client's answer has not begun."""
         fleet = self.router.fleet
         url, headers, sent = request
+        del request
         started = time.perf_counter()
         try:
-            answer = await self._send(node, url, sent, headers)
+            try:
+                answer = await self._send(node, url, sent, headers)
+            finally:
+                del sent  # written: not held while the answer streams
             try:
                 if answer.status != 200:
                     raise await answer.error()
@@ -514,7 +523,7 @@ class Relay:
         # The engines have all they need from the request: a long prompt is not held for
         # as long as its answer streams.
         self.body = {}
-        prefilled.kv_transfer_params = {}
+        prefilled.forget()
         try:
             if answer.status != 200:
                 raise await answer.error()
@@ -803,7 +812,7 @@ class Relay:
         # Our own hang-ups and aborts say nothing about the engine.
         if self._failure is None and not self.client_gone:
             if self.trace is not None:
-                self.trace.failed(error)
+                self.trace.failed(error, node)
             self.router.telemetry.upstream_error(node, error.kind)
             evidence = error.evidence
             if evidence is None and error.kind == "timeout" and node.role == "prefill":

@@ -4,6 +4,8 @@ once, the decode engine's answer relayed, a prefill failure ending the request a
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any
 
 import anyio
@@ -21,6 +23,8 @@ from tests.test_relay import (
     outcomes,
     served,
 )
+
+EVENTS = b'data: {"choices":[{"text":" hi"}]}\n\ndata: [DONE]\n\n'
 
 FIELDS = set(bootstrap.FIELDS)
 
@@ -190,12 +194,17 @@ async def test_the_prefill_answer_is_not_waited_for_once_the_decode_answer_is_wh
 
     upstream.on_prefill_read = never
     router = sglang_router(upstream)
+    p0 = router.fleet.prefill.nodes[0]
+    p0.failures = p0.request_failures = 2
     with anyio.fail_after(10):
         client = await served(router, dict(BODY))
     assert client.messages[0]["status"] == 200
     assert outcomes(router) == {("completions", "ok"): 1}
     assert all(response.closed for response in upstream.responses), "the prefill closed"
-    assert not router.fleet.prefill.nodes[0].bound and router.fleet.pool.in_use == 0
+    assert not p0.bound and router.fleet.pool.in_use == 0
+    # The decode engine answered from the KV it computed: a success of the prefill node's
+    # too (before, not counted, and its failure streak went on).
+    assert p0.failures == p0.request_failures == 0
 
 
 @pytest.mark.anyio
@@ -262,3 +271,43 @@ async def test_a_decode_engine_error_is_the_clients_and_closes_the_prefill(
     assert all(response.closed for response in upstream.responses)
     assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
     assert not router.fleet.prefill.nodes[0].bound
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_the_prompt_is_not_held_while_the_answer_streams(dialect: str) -> None:
+    """A long prompt held for as long as its answer streams would set the memory each open
+    stream costs. SGLang's request (the body with the bootstrap fields) was held by the
+    relay, the prefill task and what the decode engine was handed."""
+    upstream = ScriptedUpstream() if dialect == "vllm" else paired(ScriptedUpstream())
+    upstream.decode_answer = EVENTS
+    router = make_router(upstream) if dialect == "vllm" else sglang_router(upstream)
+    post = upstream.post
+
+    async def post_recording_no_prompt(url: str, body: Any, *args: Any, **kwargs: Any) -> Any:
+        answer = await post(url, body, *args, **kwargs)
+        # The script's own records of what was sent (in SGLang's dialect both engines get
+        # one body; the other request's record may come later).
+        upstream.sent[:] = [
+            (to, {**sent, "prompt": "..."} if sent is body else sent) for to, sent in upstream.sent
+        ]
+        return answer
+
+    upstream.post = post_recording_no_prompt  # type: ignore[method-assign]
+    prompt = "x" * 1_000_000
+    body = {**BODY, "prompt": prompt, "stream": True}
+    client = Client()
+    holders: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        await client.send(message)
+        if message["type"] == "http.response.start":
+            gc.collect()
+            holders.append(sys.getrefcount(prompt))
+
+    await Relay(router, "completions", dict(body), "r")(
+        {}, client.receive, send  # type: ignore[arg-type]
+    )
+    # The test's own: ``prompt``, ``body`` and getrefcount's argument.
+    assert holders == [3]
+    assert client.messages[0]["status"] == 200

@@ -14,6 +14,7 @@ import pytest
 
 from pd_router.sim.fleet import SimFleet
 from tests.helpers import RouterProcess, wait_for
+from tests.otlp_receiver import OtlpReceiver
 
 SGLANG = ["--dialect", "sglang"]
 
@@ -25,11 +26,11 @@ def fleet() -> Iterator[SimFleet]:
         yield sims
 
 
-def router_for(fleet: SimFleet, *args: str) -> RouterProcess:
+def router_for(fleet: SimFleet, *args: str, env: dict[str, str] | None = None) -> RouterProcess:
     # The sim serves its bootstrap on its HTTP port: each node says so.
     prefill = [f"{engine.url},bootstrap_port={engine.port}" for engine in fleet.prefill]
     decode = [engine.url for engine in fleet.decode]
-    return RouterProcess(prefill, decode, *SGLANG, "--decode-slots", "4", *args)
+    return RouterProcess(prefill, decode, *SGLANG, "--decode-slots", "4", *args, env=env)
 
 
 def client_for(router: RouterProcess) -> openai.OpenAI:
@@ -112,3 +113,52 @@ def test_concurrent_requests_each_get_their_own_room(fleet: SimFleet) -> None:
         assert texts == [f" q{index} w{index}" for index in range(24)]
         assert fleet.prefill[0].stats()["rooms_taken"] == 24
         router.assert_idle()
+
+
+def test_traced_the_prefill_runs_beside_the_decode_and_carries_its_own_failure(
+    fleet: SimFleet,
+) -> None:
+    """Its span runs beside the decode's (both requests go at once), and a prefill's
+    failure is marked on it, not on the decode's (before: the decode's spans got the
+    prefill's 503, blaming the node that answered nothing wrong)."""
+    fleet.reset()
+    (prefill,) = fleet.prefill
+    quick = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with OtlpReceiver() as receiver:
+        args = ["--otlp-traces-endpoint", receiver.url, "--unhealthy-after", "100"]
+        with router_for(fleet, *args, env=quick) as router:
+            client = client_for(router)
+            client.completions.create(
+                model="sim-model",
+                prompt="a b",
+                max_tokens=2,
+                extra_headers={"x-request-id": "ok-1"},
+            )
+            spans = {span.name: span for span in receiver.request_trace("ok-1", 5)}
+            assert sorted(spans) == [
+                "POST /v1/completions",
+                "decode",
+                "kv_handoff",
+                "prefill",
+                "queue",
+            ]
+            root, beside, decode = spans["POST /v1/completions"], spans["prefill"], spans["decode"]
+            assert beside.parent_span_id == decode.parent_span_id == root.span_id
+            assert beside.start_ns <= decode.start_ns <= beside.end_ns <= root.end_ns
+            assert not any(span.error for span in spans.values())
+            prefill.configure(fail_status=503)
+            try:
+                with pytest.raises(openai.APIStatusError):
+                    client.completions.create(
+                        model="sim-model",
+                        prompt="x y",
+                        max_tokens=2,
+                        extra_headers={"x-request-id": "failed-1"},
+                    )
+            finally:
+                prefill.configure(fail_status=None)
+            spans = {span.name: span for span in receiver.request_trace("failed-1", 5)}
+            assert spans["prefill"].error
+            assert spans["prefill"].attributes["http.response.status_code"] == 503
+            assert "http.response.status_code" not in spans["decode"].attributes
+            assert spans["POST /v1/completions"].error

@@ -156,6 +156,13 @@ class Prefilled:
         left. SGLang's prefill engine lets go when its own request is closed."""
         return not self.is_local and self.sent is None
 
+    def forget(self) -> None:
+        """The engines have all they need: what was sent is not held while the answer
+        streams (a long prompt would set the memory each open stream costs)."""
+        self.kv_transfer_params = {}
+        if self.sent is not None:
+            self.sent = {}
+
     def fix_usage(self, usage: dict[str, Any]) -> None:
         if not self.pins:
             return

@@ -78,6 +78,8 @@ class RequestTrace:
         "_phase",
         "_handoff",
         "_decode",
+        "_beside",
+        "_beside_node",
         "_prefills",
         "_decodes",
         "events",
@@ -101,6 +103,9 @@ class RequestTrace:
         self._phase: Span | None = None
         self._handoff: Span | None = None
         self._decode: Span | None = None
+        # SGLang's prefill, sent beside the decode request (``beside``): not a phase.
+        self._beside: Span | None = None
+        self._beside_node: Node | None = None
         self._prefills = 0
         self._decodes = 0
         # SSE events relayed to the client, and the answer's usage if it had one.
@@ -126,6 +131,31 @@ class RequestTrace:
         if prefix_hit is not None:
             attributes["pd_router.prefix_hit"] = prefix_hit
         return _headers(self._start("prefill", SpanKind.CLIENT, attributes))
+
+    def beside(self, node: Node, url: str, prefix_hit: bool | None) -> bytes:
+        """Start SGLang's prefill request, which runs beside the decode request's phase
+        (``prefill`` would end at the decode's start); ``beside_ended`` ends it."""
+        self._prefills += 1
+        attributes: dict[str, Any] = {
+            "pd_router.node": node.id,
+            "pd_router.attempt": self._prefills,
+            "url.full": url,
+        }
+        if prefix_hit is not None:
+            attributes["pd_router.prefix_hit"] = prefix_hit
+        if not self._recording:
+            return _headers(self.root)
+        self._beside_node = node
+        self._beside = self._tracer.start_span(
+            "prefill", context=self._context, kind=SpanKind.CLIENT, attributes=attributes
+        )
+        return _headers(self._beside)
+
+    def beside_ended(self) -> None:
+        """SGLang's prefill answered, failed (``failed`` marked it) or was let go."""
+        if self._beside is not None:
+            self._beside.end()
+            self._beside = None
 
     def prefilled(self, details: dict[str, Any] | None) -> None:
         span = self._phase
@@ -161,13 +191,16 @@ class RequestTrace:
             self._handoff.end()
             self._handoff = None
 
-    def failed(self, error: UpstreamError) -> None:
-        """An engine failed the phase under way."""
+    def failed(self, error: UpstreamError, node: Node) -> None:
+        """``node``'s engine failed: the phase under way, or SGLang's prefill beside it."""
         status = Status(StatusCode.ERROR, error.kind)
         attributes: dict[str, Any] = {"error.type": error.kind}
         if error.kind.startswith("http_"):
             attributes["http.response.status_code"] = error.status
-        for span in (self._handoff, self._phase):
+        spans = (self._handoff, self._phase)
+        if self._beside is not None and node is self._beside_node:
+            spans = (self._beside, None)
+        for span in spans:
             if span is not None:
                 span.set_status(status)
                 span.set_attributes(attributes)
@@ -215,6 +248,7 @@ class RequestTrace:
                         attributes[name] = value
             decode.set_attributes(attributes)
         self._end_phase()
+        self.beside_ended()
         if self._recording:
             attributes = {
                 "pd_router.request_id": request_id,
