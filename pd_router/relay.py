@@ -390,15 +390,46 @@ class Relay:
         once (``engines/bootstrap.py``). The prefill engine answers once the KV has gone
         (after the decode engine's answer began, as often as not), so the decode engine's
         answer is relayed meanwhile, and not waited for once that answer is whole. A
-        prefill that fails before the client's answer began fails the request at once
-        (the decode engine would wait for KV that never comes, until its own timeout)."""
-        fleet = self.router.fleet
+        prefill that fails before the client's answer began fails the attempt at once
+        (the decode engine would wait for KV that never comes, until its own timeout):
+        an engine's fault is tried once more, as in vLLM's dialect, on another prefill
+        node, with a new room, the decode engine's first request closed."""
+        prefill = self.router.fleet.prefill
         key = prefix_key(self.body)
-        node = fleet.prefill.pick(
-            key, model=self.model, prompt=prompt if fleet.prefill.reads_prompt else None
-        )
-        if node is None:
+        chooses = prompt if prefill.reads_prompt else None
+        first = prefill.pick(key, model=self.model, prompt=chooses)
+        if first is None:
             raise Unavailable("no live prefill node")
+        failure = await self._bootstrapped_on(first, client, binding, key, prompt)
+        if failure is None:
+            return
+        retry = failure.engine_fault and not self.client_gone
+        second = prefill.pick(key, avoid=first, model=self.model, prompt=chooses) if retry else None
+        if second is None:
+            raise failure
+        log.warning(
+            "prefill node %s failed (%s), retrying on node %s request_id=%s",
+            first.id,
+            failure.message,
+            second.id,
+            self.request_id,
+        )
+        failure = await self._bootstrapped_on(second, client, binding, key, prompt)
+        if failure is not None:
+            raise failure
+
+    async def _bootstrapped_on(
+        self,
+        node: Node,
+        client: ClientStream,
+        binding: Binding,
+        key: int,
+        prompt: Prompt | None,
+    ) -> UpstreamError | None:
+        """One attempt of ``_serve_bootstrapped`` with the prefill engine of ``node``: the
+        prefill engine's failure before the client's answer began, if it failed so."""
+        fleet = self.router.fleet
+        self.outcome = "prefill_error"
         port = node.labels.get(BOOTSTRAP_PORT)
         sent = bootstrap.request(
             self.body,
@@ -448,12 +479,15 @@ class Relay:
         if error is not None:
             raise error
         if failed:
+            # The decode engine's request, waiting for KV that never comes, is closed.
+            self.close_upstream()
             self.outcome = "prefill_error"
-            raise failed[0]
+            return failed[0]
         if self.outcome == "ok":
             # The decode engine answered from the KV the prefill engine computed: its
             # success, whether or not its own answer came before the decode's ended.
             fleet.served(node)
+        return None
 
     async def _prefill_beside(
         self,

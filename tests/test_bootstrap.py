@@ -311,3 +311,45 @@ async def test_the_prompt_is_not_held_while_the_answer_streams(dialect: str) -> 
     # The test's own: ``prompt``, ``body`` and getrefcount's argument.
     assert holders == [3]
     assert client.messages[0]["status"] == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("refused", [False, True], ids=["503", "refused"])
+async def test_a_failed_prefill_is_tried_once_more_on_another_node_with_a_new_room(
+    refused: bool,
+) -> None:
+    """As in vLLM's dialect: an engine's fault, before the answer began, is worth another
+    prefill node; the decode engine's first request (waiting for a room that will never be
+    computed) is closed and it gets the request again, with the other node's room."""
+    upstream = ScriptedUpstream()
+    if refused:
+        upstream.unreachable["http://prefill0"] = UpstreamError(
+            "http://prefill0: unreachable: refused", kind="unreachable"
+        )
+    else:
+        upstream.status["http://prefill0"] = 503
+    second = anyio.Event()
+
+    async def computing() -> None:
+        if upstream.sent[-1][0].startswith("http://prefill1"):
+            second.set()
+
+    async def takes_the_second_room() -> None:
+        await second.wait()
+
+    upstream.prefill_headers, upstream.decode_headers = computing, takes_the_second_room
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    p0, p1 = router.fleet.prefill.nodes
+    (first,), (again,) = sent_to(upstream, "http://prefill0"), sent_to(upstream, "http://prefill1")
+    assert first["bootstrap_room"] != again["bootstrap_room"]
+    assert first["bootstrap_host"] == "prefill0" and again["bootstrap_host"] == "prefill1"
+    assert [body["bootstrap_room"] for body in sent_to(upstream, "http://decode")][-1] == (
+        again["bootstrap_room"]
+    )
+    assert p0.failures == 1 and p1.failures == 0
+    assert not p0.bound and not p1.bound and router.fleet.pool.in_use == 0
+    assert all(response.closed for response in upstream.responses)

@@ -162,3 +162,28 @@ def test_traced_the_prefill_runs_beside_the_decode_and_carries_its_own_failure(
             assert spans["prefill"].attributes["http.response.status_code"] == 503
             assert "http.response.status_code" not in spans["decode"].attributes
             assert spans["POST /v1/completions"].error
+
+
+def test_a_failing_prefill_engine_is_tried_once_more_on_another() -> None:
+    """The decode engine's first request, waiting for a room that will never be computed,
+    is closed; it gets the request again with the other prefill engine's room."""
+    with SimFleet(2, 1, prefill_args=SGLANG, decode_args=SGLANG) as fleet:
+        broken, working = fleet.prefill
+        broken.configure(fail_status=503)
+        with router_for(
+            fleet, "--unhealthy-after", "100", "--prefill-policy", "round_robin"
+        ) as router:
+            client = client_for(router)
+            texts = [
+                client.completions.create(model="sim-model", prompt=f"p{i} q", max_tokens=2)
+                .choices[0]
+                .text
+                for i in range(4)
+            ]
+            assert texts == [f" p{i} q" for i in range(4)]
+            assert working.stats()["rooms_taken"] == 4
+            assert broken.stats()["rooms_taken"] == 0
+            (decode,) = fleet.decode
+            wait_for(lambda: decode.stats()["active"] == 0, what="the decode engine idle")
+            router.assert_idle()
+            assert "retrying on node" in router.log()
