@@ -55,6 +55,25 @@ VLLM_ROUTER_FAIR_ARGS = (
 )
 
 
+def rust_router_args(port: int, policy: str, prometheus_port: int, log_level: str) -> list[str]:
+    """How vllm-router and sglang-router (one code base) are run here, after their engines:
+    on 127.0.0.1, a Prometheus port of their own (they bind one even when not asked), under
+    ``VLLM_ROUTER_FAIR_ARGS``."""
+    return [
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        log_level,
+        *VLLM_ROUTER_FAIR_ARGS,
+    ]
+
+
 @contextlib.contextmanager
 def checkouts(revisions: Sequence[str], into: Path) -> Iterator[list[Path]]:
     """Each revision's tree (``.``: the working tree itself), the others checked out as
@@ -202,20 +221,7 @@ class VllmRouterProcess(ServerProcess):
             argv += ["--prefill", url]
         for url in self.decode_urls:
             argv += ["--decode", url]
-        return [
-            *argv,
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--policy",
-            self.policy,
-            "--prometheus-port",
-            str(self.prometheus_port),
-            "--log-level",
-            "warning",
-            *VLLM_ROUTER_FAIR_ARGS,
-        ]
+        return [*argv, *rust_router_args(self.port, self.policy, self.prometheus_port, "warning")]
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         # It listens only once every engine answered GET /health.
@@ -276,20 +282,7 @@ class SglangRouterProcess(ServerProcess):
             argv += ["--prefill", url, str(bootstrap_port)]
         for url in self.decode_urls:
             argv += ["--decode", url]
-        return [
-            *argv,
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            "--policy",
-            "round_robin",
-            "--prometheus-port",
-            str(self.prometheus_port),
-            "--log-level",
-            "warn",
-            *VLLM_ROUTER_FAIR_ARGS,
-        ]
+        return [*argv, *rust_router_args(self.port, "round_robin", self.prometheus_port, "warn")]
 
 
 def find_sglang_router() -> str | None:

@@ -19,6 +19,8 @@ from tests.test_relay import (
     BODY,
     Client,
     ScriptedUpstream,
+    decode_that_never_answers,
+    failing_prefill0,
     make_router,
     outcomes,
     served,
@@ -227,13 +229,7 @@ async def test_a_client_gone_closes_both_requests_at_once() -> None:
     """SGLang's engines let go of a request's KV when it is closed: no grace, no drain."""
     upstream = ScriptedUpstream()
     client = Client()
-    decode_sent = anyio.Event()
-
-    async def decode_waits() -> None:
-        decode_sent.set()
-        await anyio.sleep(3600)
-
-    upstream.decode_headers = decode_waits
+    decode_sent = decode_that_never_answers(upstream)
     router = sglang_router(upstream, grace=60)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -322,12 +318,7 @@ async def test_a_failed_prefill_is_tried_once_more_on_another_node_with_a_new_ro
     prefill node; the decode engine's first request (waiting for a room that will never be
     computed) is closed and it gets the request again, with the other node's room."""
     upstream = ScriptedUpstream()
-    if refused:
-        upstream.unreachable["http://prefill0"] = UpstreamError(
-            "http://prefill0: unreachable: refused", kind="unreachable"
-        )
-    else:
-        upstream.status["http://prefill0"] = 503
+    failing_prefill0(upstream, refused)
     second = anyio.Event()
 
     async def computing() -> None:

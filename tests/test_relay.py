@@ -202,17 +202,23 @@ async def test_client_gone_as_prefill_answers_still_hands_the_kv_over() -> None:
     assert outcomes(router) == {("completions", "client_aborted"): 1}
 
 
+def decode_that_never_answers(upstream: ScriptedUpstream) -> anyio.Event:
+    """The decode engine takes the request and answers nothing; set once it has it."""
+    has_it = anyio.Event()
+
+    async def never() -> None:
+        has_it.set()
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = never
+    return has_it
+
+
 async def test_a_decode_engine_that_never_takes_the_kv_is_dropped_after_the_grace() -> None:
     upstream = ScriptedUpstream()
     router = make_router(upstream, grace=0.2)
     client = Client()
-    in_decode = anyio.Event()
-
-    async def never() -> None:
-        in_decode.set()
-        await anyio.sleep(3600)
-
-    upstream.decode_headers = never
+    in_decode = decode_that_never_answers(upstream)
     async with anyio.create_task_group() as tg:
         tg.start_soon(
             Relay(router, "completions", dict(BODY), "r3"), {}, client.receive, client.send
@@ -246,6 +252,16 @@ async def test_a_client_gone_during_decode_headers_waits_for_them_then_closes() 
     assert router.fleet.pool.in_use == 0 and router.fleet.pool.released == 1
 
 
+def failing_prefill0(upstream: ScriptedUpstream, refused: bool) -> None:
+    """prefill0 refuses the connection, or answers 503: an engine's fault either way."""
+    if refused:
+        upstream.unreachable["http://prefill0"] = UpstreamError(
+            "http://prefill0: unreachable: refused", kind="unreachable"
+        )
+    else:
+        upstream.status["http://prefill0"] = 503
+
+
 @pytest.mark.parametrize("refused", [False, True], ids=["503", "refused"])
 async def test_prefill_retries_once_on_another_node_after_an_engine_failure(
     refused: bool,
@@ -253,12 +269,7 @@ async def test_prefill_retries_once_on_another_node_after_an_engine_failure(
     """A refusal makes the node dead, which fails the requests bound to it: not the one
     that saw it, which goes to the other node like after a 503."""
     upstream = ScriptedUpstream()
-    if refused:
-        upstream.unreachable["http://prefill0"] = UpstreamError(
-            "http://prefill0: unreachable: refused", kind="unreachable"
-        )
-    else:
-        upstream.status["http://prefill0"] = 503
+    failing_prefill0(upstream, refused)
     router = make_router(upstream, prefills=2)
     client = await served(router, dict(BODY))
     assert [url for url, _ in upstream.sent] == [

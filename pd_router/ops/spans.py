@@ -122,27 +122,13 @@ class RequestTrace:
 
     def prefill(self, node: Node, url: str, prefix_hit: bool | None) -> bytes:
         """Start a prefill attempt on ``node``; the headers its request carries."""
-        self._prefills += 1
-        attributes: dict[str, Any] = {
-            "pd_router.node": node.id,
-            "pd_router.attempt": self._prefills,
-            "url.full": url,
-        }
-        if prefix_hit is not None:
-            attributes["pd_router.prefix_hit"] = prefix_hit
+        attributes = self._prefill_attempt(node, url, prefix_hit)
         return _headers(self._start("prefill", SpanKind.CLIENT, attributes))
 
     def beside(self, node: Node, url: str, prefix_hit: bool | None) -> bytes:
         """Start SGLang's prefill request, which runs beside the decode request's phase
         (``prefill`` would end at the decode's start); ``beside_ended`` ends it."""
-        self._prefills += 1
-        attributes: dict[str, Any] = {
-            "pd_router.node": node.id,
-            "pd_router.attempt": self._prefills,
-            "url.full": url,
-        }
-        if prefix_hit is not None:
-            attributes["pd_router.prefix_hit"] = prefix_hit
+        attributes = self._prefill_attempt(node, url, prefix_hit)
         if not self._recording:
             return _headers(self.root)
         self._beside_node = node
@@ -150,6 +136,17 @@ class RequestTrace:
             "prefill", context=self._context, kind=SpanKind.CLIENT, attributes=attributes
         )
         return _headers(self._beside)
+
+    def _prefill_attempt(self, node: Node, url: str, prefix_hit: bool | None) -> dict[str, Any]:
+        self._prefills += 1
+        attributes: dict[str, Any] = {
+            "pd_router.node": node.id,
+            "pd_router.attempt": self._prefills,
+            "url.full": url,
+        }
+        if prefix_hit is not None:
+            attributes["pd_router.prefix_hit"] = prefix_hit
+        return attributes
 
     def beside_ended(self) -> None:
         """SGLang's prefill answered, failed (``failed`` marked it) or was let go."""
