@@ -471,23 +471,38 @@ class Relay:
                     # Raised past the task group as it is: the group would wrap it in an
                     # ExceptionGroup, which no RouterError handler takes (a 500).
                     error = exc
+                    if placed and _silent(exc) and not client.started:
+                        # The decode engine was silent waiting for the KV of a prefill that
+                        # has not answered either: the prefill is the slow one (its own read
+                        # timeout started with the decode's, which comes first).
+                        failed.append(self._engine_failed(node, self._slow(url)))
+                        error = None
                 # The decode engine's answer is whole, or failed: the prefill engine's is not
                 # needed.
                 beside.cancel_scope.cancel()
         finally:
             prefilled()
-        if error is not None:
-            raise error
         if failed:
-            # The decode engine's request, waiting for KV that never comes, is closed.
+            # First: what the decode engine did after its prefill failed (timed out waiting
+            # for the KV, in the same tick) is what the prefill's failure caused. Its
+            # request, waiting for KV that never comes, is closed.
             self.close_upstream()
             self.outcome = "prefill_error"
             return failed[0]
+        if error is not None:
+            raise error
         if self.outcome == "ok":
             # The decode engine answered from the KV the prefill engine computed: its
             # success, whether or not its own answer came before the decode's ended.
             fleet.served(node)
         return None
+
+    def _slow(self, url: str) -> UpstreamError:
+        """A prefill engine that did not answer while its decode engine waited for its KV
+        for the whole read timeout."""
+        seconds = self.router.upstream.read_timeout
+        message = f"{url}: no answer for {seconds:g} s, its KV awaited by the decode engine"
+        return UpstreamError(message, kind="timeout")
 
     async def _prefill_beside(
         self,
@@ -1040,6 +1055,11 @@ def _event_too_large(answer: Response, error: ValueError) -> UpstreamError:
     prompt's logprobs in one event for ``echo`` with ``logprobs``), as an answer over
     ``--max-response-bytes`` is: no evidence against the engine."""
     return UpstreamError(f"{answer.url}: {error}", code="event_too_large", kind="too_large")
+
+
+def _silent(error: Exception) -> bool:
+    """An engine that sent nothing for the read timeout."""
+    return isinstance(error, UpstreamError) and error.kind == "timeout"
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -344,3 +344,39 @@ async def test_a_failed_prefill_is_tried_once_more_on_another_node_with_a_new_ro
     assert p0.failures == 1 and p1.failures == 0
     assert not p0.bound and not p1.bound and router.fleet.pool.in_use == 0
     assert all(response.closed for response in upstream.responses)
+
+
+@pytest.mark.anyio
+async def test_a_prefill_slower_than_the_read_timeout_is_blamed_and_tried_again() -> None:
+    """The decode engine waits for the prefill's KV, and its read timeout, started first,
+    ends first: before, the client got a 504 naming the decode engine, and no other prefill
+    node was tried. The prefill is the slow one: it is blamed and tried again."""
+    upstream = ScriptedUpstream()
+    upstream.read_timeout = 3.0
+    second = anyio.Event()
+
+    async def prefill0_hangs() -> None:
+        if upstream.sent[-1][0].startswith("http://prefill1"):
+            second.set()
+        else:
+            await anyio.sleep(3600)
+
+    async def decode_times_out_without_kv() -> None:
+        with anyio.move_on_after(0.2):
+            await second.wait()
+        if not second.is_set():
+            raise UpstreamError(
+                "http://decode/v1/completions: no byte from the engine for 3 s", kind="timeout"
+            )
+
+    upstream.prefill_headers, upstream.decode_headers = prefill0_hangs, decode_times_out_without_kv
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200
+    assert outcomes(router) == {("completions", "ok"): 1}
+    p0, p1 = router.fleet.prefill.nodes
+    assert p0.failures == 1 and p1.failures == 0
+    assert p0.last_error is not None and "its KV awaited by the decode engine" in p0.last_error
+    assert router.fleet.pool.nodes[0].failures == 0, "the decode engine only waited"
+    assert not p0.bound and not p1.bound and router.fleet.pool.in_use == 0

@@ -164,15 +164,20 @@ def test_traced_the_prefill_runs_beside_the_decode_and_carries_its_own_failure(
             assert spans["POST /v1/completions"].error
 
 
-def test_a_failing_prefill_engine_is_tried_once_more_on_another() -> None:
+@pytest.mark.parametrize("fault", ["503", "slow"])
+def test_a_failing_prefill_engine_is_tried_once_more_on_another(fault: str) -> None:
     """The decode engine's first request, waiting for a room that will never be computed,
-    is closed; it gets the request again with the other prefill engine's room."""
+    is closed; it gets the request again with the other prefill engine's room. A prefill
+    slower than --read-timeout is the one blamed: the decode engine waiting for its KV,
+    whose own read timeout ends first, was (a 504 naming the decode engine, no retry)."""
     with SimFleet(2, 1, prefill_args=SGLANG, decode_args=SGLANG) as fleet:
         broken, working = fleet.prefill
-        broken.configure(fail_status=503)
-        with router_for(
-            fleet, "--unhealthy-after", "100", "--prefill-policy", "round_robin"
-        ) as router:
+        if fault == "503":
+            broken.configure(fail_status=503)
+        else:
+            broken.configure(prefill_delay=30)
+        args = ["--unhealthy-after", "100", "--prefill-policy", "round_robin"]
+        with router_for(fleet, *args, "--read-timeout", "5") as router:
             client = client_for(router)
             texts = [
                 client.completions.create(model="sim-model", prompt=f"p{i} q", max_tokens=2)

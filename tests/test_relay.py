@@ -78,6 +78,7 @@ class ScriptedUpstream:
         self.status: dict[str, int] = {}
         self.close_error: Exception | None = None
         self.decode_answer = DECODE_ANSWER
+        self.read_timeout = 600.0  # as Upstream's: what the relay says a silence lasted
         # Origins that raise this error instead of answering, as Upstream.post does when
         # it could not connect.
         self.unreachable: dict[str, UpstreamError] = {}
