@@ -29,9 +29,11 @@ from pd_router.edge import hops
 from pd_router.edge.auth import Key
 from pd_router.edge.stream import ClientStream
 from pd_router.edge.validation import PATHS, Endpoint, parse_body, request_id
+from pd_router.engines import bootstrap
 from pd_router.engines.kvevents import follow
 from pd_router.engines.watch import (
     learn_models,
+    no_bootstrap,
     probe,
     probe_forever,
     supervise,
@@ -268,6 +270,7 @@ def create_app(router: Router, options: AppOptions | None = None) -> RouterApp:
                         options.health_timeout,
                         lag,
                         membership.may_probe,
+                        _bootstrap_port(router),
                     )
                     tg.start_soon(supervise, "the prober", prober)
                 # Not a probe: one small GET per node every 30 s, which routing by model and
@@ -375,7 +378,21 @@ async def _admit(router: Router, timeout: float, lag: LoopLag, node: Node) -> No
     """A new node's first probe, at once: one that answers serves within a round trip, not
     at the prober's next tick. Its models first: the good probe makes it serving."""
     await learn_models(router.fleet, router.upstream, node)
-    await probe(router.fleet, router.upstream, node, timeout, lag)
+    await probe(router.fleet, router.upstream, node, timeout, lag, _bootstrap_port(router))
+
+
+def _bootstrap_port(router: Router) -> Callable[[Node], int | None]:
+    """What the prober connects to besides /health: SGLang's prefill engines' bootstrap."""
+    settings = router.settings
+    if settings.dialect != "sglang":
+        return no_bootstrap
+
+    def port(node: Node) -> int | None:
+        return (
+            bootstrap.port(node.labels, settings.bootstrap_port) if node.role == "prefill" else None
+        )
+
+    return port
 
 
 def _own(listen: tuple[str, int] | None, url: str) -> bool:

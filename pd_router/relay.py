@@ -67,7 +67,7 @@ from pd_router.errors import (
 from pd_router.fleet import models
 from pd_router.fleet.holdings import Prompt, describe
 from pd_router.fleet.keys import KeyLimits
-from pd_router.fleet.nodes import BOOTSTRAP_PORT, Failure, Node
+from pd_router.fleet.nodes import Failure, Node
 from pd_router.fleet.pool import Reservation
 from pd_router.fleet.prefill import Placement, prefix_key
 from pd_router.fleet.registry import Binding, Fleet
@@ -430,11 +430,10 @@ class Relay:
         prefill engine's failure before the client's answer began, if it failed so."""
         fleet = self.router.fleet
         self.outcome = "prefill_error"
-        port = node.labels.get(BOOTSTRAP_PORT)
         sent = bootstrap.request(
             self.body,
             bootstrap.host_of(node.url),
-            self.router.settings.bootstrap_port if port is None else int(port),
+            bootstrap.port(node.labels, self.router.settings.bootstrap_port),
             bootstrap.sequences(self.body, self.endpoint == "chat"),
         )
         failed: list[UpstreamError] = []

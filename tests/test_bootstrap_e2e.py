@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from pd_router.sim.fleet import SimFleet
+from pd_router.sim.fleet import SimFleet, free_port
 from tests.helpers import RouterProcess, wait_for
 from tests.otlp_receiver import OtlpReceiver
 
@@ -192,3 +194,38 @@ def test_a_failing_prefill_engine_is_tried_once_more_on_another(fault: str) -> N
             wait_for(lambda: decode.stats()["active"] == 0, what="the decode engine idle")
             router.assert_idle()
             assert "retrying on node" in router.log()
+
+
+def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
+    fleet: SimFleet,
+) -> None:
+    """Its /health answers, but every decode engine would fail to take its rooms (and be
+    blamed): the prober connects to the bootstrap port too, and the node goes dead with
+    the reason, while one whose port answers serves."""
+    fleet.reset()
+    (prefill,) = fleet.prefill
+    nowhere = free_port()
+    decode = [engine.url for engine in fleet.decode]
+    args = [*SGLANG, "--admin-token", "t", "--health-interval", "0.2"]
+    wrong = f"{prefill.url},bootstrap_port={nowhere}"
+    with RouterProcess([wrong], decode, *args) as router:
+
+        def prefill_node() -> dict[str, Any]:
+            answer = httpx.get(
+                f"{router.url}/admin/nodes", headers={"Authorization": "Bearer t"}, timeout=10
+            )
+            return next(n for n in answer.json()["nodes"] if n["role"] == "prefill")
+
+        wait_for(lambda: prefill_node()["state"] == "dead", what="the prefill node dead")
+        node = prefill_node()
+        assert node["reason"] == "bootstrap refused"
+        assert f"bootstrap server 127.0.0.1:{nowhere}" in node["last_error"]
+        # No request reaches the decode engines to fail there.
+        with pytest.raises(openai.APIStatusError) as refused:
+            client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
+        assert refused.value.status_code == 503
+        assert all(engine.stats()["requests"] == 0 for engine in fleet.decode)
+    right = f"{prefill.url},bootstrap_port={prefill.port}"
+    with RouterProcess([right], decode, *args) as router:
+        answer = client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
+        assert answer.choices[0].text == " a"

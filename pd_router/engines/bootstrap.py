@@ -11,8 +11,11 @@ the same fields, a list of each for a request of several sequences.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
+
+from pd_router.fleet.nodes import BOOTSTRAP_PORT
 
 # SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_PORT = 8998
@@ -27,6 +30,13 @@ def host_of(url: str) -> str:
     address in brackets (``maybe_wrap_ipv6_address``)."""
     host = urlsplit(url).hostname or ""
     return f"[{host}]" if ":" in host else host
+
+
+def port(labels: Mapping[str, str], default: int) -> int:
+    """A prefill node's bootstrap port: its ``bootstrap_port`` label's (checked as a port
+    wherever labels are given), else the router's ``--bootstrap-port``."""
+    label = labels.get(BOOTSTRAP_PORT)
+    return default if label is None else int(label)
 
 
 def sequences(body: dict[str, Any], chat: bool) -> int | None:

@@ -2,8 +2,9 @@
 of every task that lives as long as the app.
 
 The prober GETs every node's ``/health`` every ``interval`` seconds, each bounded by
-``timeout``; the stall watch looks at the streams' progress every tick (``fleet/stall.py``).
-Both report to the fleet, which decides what a node's state becomes (``fleet/nodes.py``). The
+``timeout`` (in SGLang's dialect it also connects to each prefill engine's bootstrap port);
+the stall watch looks at the streams' progress every tick (``fleet/stall.py``). Both
+report to the fleet, which decides what a node's state becomes (``fleet/nodes.py``). The
 model watch reads each node's ``/v1/models`` (``fleet/models.py``).
 Nothing here may end for good: an error probing one node counts against that node only,
 and a task that fails anyway is restarted with a log line.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 import anyio
 
@@ -31,6 +33,10 @@ log = logging.getLogger("pd_router.health")
 VOID_LAG_SHARE = 0.25
 
 
+def no_bootstrap(node: Node) -> int | None:
+    return None
+
+
 async def probe_forever(
     fleet: Fleet,
     upstream: Upstream,
@@ -38,22 +44,34 @@ async def probe_forever(
     timeout: float,
     lag: LoopLag,
     may_probe: Callable[[], bool] = lambda: True,
+    bootstrap_port: Callable[[Node], int | None] = no_bootstrap,
 ) -> None:
-    """``may_probe``: with ``--state`` one router probes for the fleet, the others wait."""
+    """``may_probe``: with ``--state`` one router probes for the fleet, the others wait.
+    ``bootstrap_port``: a node's SGLang bootstrap port, which is probed too (None: none)."""
     while True:
         if may_probe():
             async with anyio.create_task_group() as tg:
                 for node in fleet.nodes:
-                    tg.start_soon(probe, fleet, upstream, node, timeout, lag)
+                    tg.start_soon(probe, fleet, upstream, node, timeout, lag, bootstrap_port)
         await sleep_to_tick(interval)
 
 
-async def probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float, lag: LoopLag) -> None:
+async def probe(
+    fleet: Fleet,
+    upstream: Upstream,
+    node: Node,
+    timeout: float,
+    lag: LoopLag,
+    bootstrap_port: Callable[[Node], int | None] = no_bootstrap,
+) -> None:
     started = anyio.current_time()
     # The loop's lag is asked about only while a probe is out: the ticker ticks only then.
     with lag.watching():
         try:
             failure = await upstream.probe(node.url + "/health", timeout)
+            port = bootstrap_port(node)
+            if failure is None and port is not None:
+                failure = await _bootstrap_answers(node.url, port, timeout)
         except Exception as exc:
             log.exception(
                 "probing %s node %s (%s) failed inside the router", node.role, node.id, node.url
@@ -79,6 +97,24 @@ async def probe(fleet: Fleet, upstream: Upstream, node: Node, timeout: float, la
             )
             return
     fleet.failed(node, failure, probe=True)
+
+
+async def _bootstrap_answers(url: str, port: int, timeout: float) -> Failure | None:
+    """Whether an SGLang prefill engine's bootstrap server takes a connection: decode
+    engines dial it for each request's KV. An engine whose /health answers and whose
+    bootstrap port does not (a wrong --bootstrap-port or label) would fail every request
+    it prefills, at the decode engines, which would be blamed for it."""
+    host = urlsplit(url).hostname or ""
+    where = f"bootstrap server {host}:{port}"
+    try:
+        with anyio.fail_after(timeout):
+            stream = await anyio.connect_tcp(host, port)
+    except TimeoutError:
+        return Failure(PROBE_TIMEOUT, f"{where}: no connection within {timeout:g} s", Evidence.SOFT)
+    except OSError as exc:
+        return Failure("bootstrap refused", f"{where}: {exc.strerror or exc}", Evidence.HARD)
+    await stream.aclose()
+    return None
 
 
 async def watch_stalls(fleet: Fleet, timeout: float) -> None:
