@@ -50,7 +50,7 @@ from pd_router.engines import bootstrap
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls, no_pass_phrase
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
-from pd_router.fleet.nodes import MAX_SLOTS, HealthPolicy, Node, make_nodes
+from pd_router.fleet.nodes import BOOTSTRAP_PORT, MAX_SLOTS, HealthPolicy, Node, make_nodes
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
@@ -645,6 +645,23 @@ def _work(
             shutil.rmtree(metrics, ignore_errors=True)
 
 
+def _say_dialect(args: argparse.Namespace, router: Router) -> None:
+    """The engines' P/D protocol, said once at start; SGLang's bootstrap ports given to a
+    router that speaks vLLM's are a fleet speaking another protocol than the router's."""
+    if args.dialect == "sglang":
+        log.info(
+            "engines' dialect: sglang, bootstrap port %d unless a node says", args.bootstrap_port
+        )
+        return
+    labelled = [n.url for n in router.fleet.prefill.nodes if BOOTSTRAP_PORT in n.labels]
+    if labelled or args.bootstrap_port != bootstrap.DEFAULT_PORT:
+        log.warning(
+            "--bootstrap-port and bootstrap_port labels (%s) are SGLang's: this router speaks "
+            "vLLM's dialect (--dialect sglang for SGLang's engines)",
+            ", ".join(labelled) or "none",
+        )
+
+
 def _serve(
     args: argparse.Namespace,
     router: Router,
@@ -658,6 +675,7 @@ def _serve(
         router.tracer = tracing.load(args.tracing)(args.tracing.endpoint)
         endpoint = tracing.shown(args.tracing.endpoint)
         log.info("tracing: OTLP/HTTP to %s (%s)", endpoint, args.tracing.source)
+    _say_dialect(args, router)
     options = AppOptions(
         max_body_bytes=args.max_body_bytes,
         admin_token=args.admin_token,

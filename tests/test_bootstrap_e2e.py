@@ -229,3 +229,18 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
     with RouterProcess([right], decode, *args) as router:
         answer = client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
         assert answer.choices[0].text == " a"
+
+
+def test_the_dialect_is_said_at_start_and_sglang_ports_given_to_vllms_are_warned_of(
+    fleet: SimFleet,
+) -> None:
+    """A fleet of SGLang engines behind a router speaking vLLM's dialect fails every
+    request with the prefill engine's 400 (bootstrap_host is missing), counted as the
+    clients' bad requests: the start says what the router speaks, and warns."""
+    with router_for(fleet) as router:
+        assert "engines' dialect: sglang, bootstrap port 8998 unless a node says" in router.log()
+    (prefill,) = fleet.prefill
+    decode = [engine.url for engine in fleet.decode]
+    with RouterProcess([f"{prefill.url},bootstrap_port={prefill.port}"], decode) as router:
+        wait_for(lambda: "SGLang's: this router speaks vLLM's dialect" in router.log(), what="it")
+        assert f"bootstrap_port labels ({prefill.url})" in router.log()
