@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pd_router.edge.auth import bearer
+from pd_router.engines import bootstrap
 from pd_router.errors import Aborted, StateUnavailable, Unauthorized
 from pd_router.fleet.membership import Conflict, LocalMembership, Membership
 from pd_router.fleet.nodes import MAX_SLOTS, Node, State, check_labels, normalise_url
@@ -36,9 +37,11 @@ def _error_body(message: str, code: str, param: str | None = None) -> dict[str, 
     return {"error": {"message": message, "type": "admin_error", "param": param, "code": code}}
 
 
-def node_view(node: Node, fleet: Fleet) -> dict[str, Any]:
+def node_view(node: Node, fleet: Fleet, bootstrap_port: int | None = None) -> dict[str, Any]:
+    """``bootstrap_port``: the router's ``--bootstrap-port`` in SGLang's dialect (a prefill
+    node shows the port its decode engines are sent), None in vLLM's."""
     stream = fleet.events.streams.get(node.id)
-    return {
+    view: dict[str, Any] = {
         "id": node.id,
         "url": node.url,
         "role": node.role,
@@ -56,6 +59,9 @@ def node_view(node: Node, fleet: Fleet) -> dict[str, Any]:
         # The engine's KV event stream (``kv_events=PORT``), None if it has none.
         "kv_events": None if stream is None else stream.view(),
     }
+    if bootstrap_port is not None and node.role == "prefill":
+        view["bootstrap_port"] = bootstrap.port(node.labels, bootstrap_port)
+    return view
 
 
 def abort_here(fleet: Fleet, rid: str) -> Outcome:
@@ -92,6 +98,8 @@ def admin_routes(
     without saying (--decode-slots), as for one given on the command line."""
     fleet = router.fleet
     members = membership or LocalMembership(fleet)
+    settings = router.settings
+    shown_port = settings.bootstrap_port if settings.dialect == "sglang" else None
     expected = token.encode()
 
     def guarded(handler: Handler) -> Handler:
@@ -118,7 +126,7 @@ def admin_routes(
             return None
 
     async def list_nodes(request: Request) -> Response:
-        nodes = [node_view(node, fleet) for node in fleet.nodes]
+        nodes = [node_view(node, fleet, shown_port) for node in fleet.nodes]
         document = {
             "nodes": nodes,
             "serving_view": fleet.serving_view(),
@@ -177,7 +185,7 @@ def admin_routes(
             return _error(409, str(exc), "conflict")
         if node.state is State.JOINING and admit is not None:
             await admit(node)
-        return _json(node_view(node, fleet), 200 if known else 201)
+        return _json(node_view(node, fleet, shown_port), 200 if known else 201)
 
     async def drain_node(request: Request) -> Response:
         node = find(request)
@@ -188,7 +196,7 @@ def admin_routes(
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
         # Accepted, not done: in-flight requests finish in their own time.
-        return _json(node_view(node, fleet), 202)
+        return _json(node_view(node, fleet, shown_port), 202)
 
     async def remove_node(request: Request) -> Response:
         node = find(request)

@@ -229,6 +229,8 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
     with RouterProcess([right], decode, *args) as router:
         answer = client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
         assert answer.choices[0].text == " a"
+        # The port in use is shown, a label's or --bootstrap-port's.
+        assert prefill_node()["bootstrap_port"] == prefill.port
 
 
 def test_the_dialect_is_said_at_start_and_sglang_ports_given_to_vllms_are_warned_of(
