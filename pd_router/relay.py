@@ -403,7 +403,8 @@ class Relay:
         failure = await self._bootstrapped_on(first, client, binding, key, prompt)
         if failure is None:
             return
-        retry = failure.engine_fault and not self.client_gone
+        # A silence is no engine's known fault (``_unhanded``).
+        retry = failure.engine_fault and failure.kind != "timeout" and not self.client_gone
         second = prefill.pick(key, avoid=first, model=self.model, prompt=chooses) if retry else None
         if second is None:
             raise failure
@@ -470,11 +471,8 @@ class Relay:
                     # Raised past the task group as it is: the group would wrap it in an
                     # ExceptionGroup, which no RouterError handler takes (a 500).
                     error = exc
-                    if placed and _silent(exc) and not client.started:
-                        # The decode engine was silent waiting for the KV of a prefill that
-                        # has not answered either: the prefill is the slow one (its own read
-                        # timeout started with the decode's, which comes first).
-                        failed.append(self._engine_failed(node, self._slow(url)))
+                    if _silent(exc) and not client.started:
+                        failed.append(self._unhanded(node, binding.decode))
                         error = None
                 # The decode engine's answer is whole, or failed: the prefill engine's is not
                 # needed.
@@ -496,12 +494,23 @@ class Relay:
             fleet.served(node)
         return None
 
-    def _slow(self, url: str) -> UpstreamError:
-        """A prefill engine that did not answer while its decode engine waited for its KV
-        for the whole read timeout."""
+    def _blamed(self, prefill: Node, error: UpstreamError) -> UpstreamError:
+        """SGLang's prefill engine's failure as the client is told it, counted against its
+        node unless it is a silence before the answer began (``_unhanded``)."""
+        if _silent(error) and not self.client.started:
+            return self._unhanded(prefill, self._decode_node)
+        return self._engine_failed(prefill, error)
+
+    def _unhanded(self, prefill: Node, decode: Node | None) -> UpstreamError:
+        """SGLang's dialect: no KV went from the prefill engine to the decode engine within
+        the read timeout, both silent. Whose fault is not known: the prefill engine waits
+        for a decode engine to take its room (one whose memory is full takes none), the
+        decode engine for the prefill's KV (a prefill engine behind in its queue sends
+        none). Nothing is said against either node, and no other prefill node is tried."""
         seconds = self.router.upstream.read_timeout
-        message = f"{url}: no answer for {seconds:g} s, its KV awaited by the decode engine"
-        return UpstreamError(message, kind="timeout")
+        to = "a decode engine" if decode is None else f"decode engine {decode.url}"
+        message = f"no KV went from prefill engine {prefill.url} to {to} within {seconds:g} s"
+        return UpstreamError(message, status=504, code="timeout", kind="timeout")
 
     async def _prefill_beside(
         self,
@@ -522,7 +531,12 @@ class Relay:
         started = time.perf_counter()
         try:
             try:
-                answer = await self._send(node, url, sent, headers)
+                answer = await self.router.upstream.post(
+                    url, sent, self.request_id, self.via, headers, first_bytes=True
+                )
+                self._open.append(answer)
+            except UpstreamError as error:
+                raise self._blamed(node, error) from None
             finally:
                 del sent  # written: not held while the answer streams
             try:
@@ -530,7 +544,7 @@ class Relay:
                     raise await answer.error()
                 raw = await answer.read()
             except UpstreamError as error:
-                raise self._engine_failed(node, error) from None
+                raise self._blamed(node, error) from None
             finally:
                 self._open.remove(answer)
                 answer.close()

@@ -347,36 +347,43 @@ async def test_a_failed_prefill_is_tried_once_more_on_another_node_with_a_new_ro
 
 
 @pytest.mark.anyio
-async def test_a_prefill_slower_than_the_read_timeout_is_blamed_and_tried_again() -> None:
-    """The decode engine waits for the prefill's KV, and its read timeout, started first,
-    ends first: before, the client got a 504 naming the decode engine, and no other prefill
-    node was tried. The prefill is the slow one: it is blamed and tried again."""
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+async def test_a_silence_before_the_answer_is_no_nodes_fault_and_names_both_engines(
+    first: str,
+) -> None:
+    """No KV went from the prefill engine to the decode engine within the read timeout,
+    both silent: the prefill waits for a decode engine to take its room (one whose memory
+    is full takes none), the decode for the prefill's KV (a prefill behind in its queue
+    sends none). Before, the client's 504 named whichever engine's timeout came first, and
+    a prefill's counted against it (and was tried again elsewhere, behind the same decode
+    engine): now one 504 names both, nothing is said against either, nothing is retried."""
     upstream = ScriptedUpstream()
     upstream.read_timeout = 3.0
-    second = anyio.Event()
+    silence = UpstreamError("no byte from the engine for 3 s", status=504, kind="timeout")
 
-    async def prefill0_hangs() -> None:
-        if upstream.sent[-1][0].startswith("http://prefill1"):
-            second.set()
-        else:
+    async def prefill_silent() -> None:
+        if first == "decode":
             await anyio.sleep(3600)
+        raise silence
 
-    async def decode_times_out_without_kv() -> None:
-        with anyio.move_on_after(0.2):
-            await second.wait()
-        if not second.is_set():
-            raise UpstreamError(
-                "http://decode/v1/completions: no byte from the engine for 3 s", kind="timeout"
-            )
+    async def decode_silent() -> None:
+        if first == "prefill":
+            await anyio.sleep(3600)
+        await anyio.sleep(0.05)
+        raise silence
 
-    upstream.prefill_headers, upstream.decode_headers = prefill0_hangs, decode_times_out_without_kv
+    upstream.prefill_headers, upstream.decode_headers = prefill_silent, decode_silent
     router = sglang_router(upstream, prefills=2)
     with anyio.fail_after(10):
         client = await served(router, dict(BODY))
-    assert client.messages[0]["status"] == 200
-    assert outcomes(router) == {("completions", "ok"): 1}
-    p0, p1 = router.fleet.prefill.nodes
-    assert p0.failures == 1 and p1.failures == 0
-    assert p0.last_error is not None and "its KV awaited by the decode engine" in p0.last_error
-    assert router.fleet.pool.nodes[0].failures == 0, "the decode engine only waited"
-    assert not p0.bound and not p1.bound and router.fleet.pool.in_use == 0
+    assert client.messages[0]["status"] == 504
+    error = orjson.loads(client.messages[-1]["body"])["error"]
+    assert error["message"] == (
+        "no KV went from prefill engine http://prefill0 to decode engine http://decode "
+        "within 3 s"
+    )
+    assert outcomes(router) == {("completions", "timeout"): 1}
+    assert len(sent_to(upstream, "http://prefill")) == 1, "no other prefill node tried"
+    p0, _ = router.fleet.prefill.nodes
+    assert p0.failures == 0 and router.fleet.pool.nodes[0].failures == 0
+    assert not p0.bound and router.fleet.pool.in_use == 0
