@@ -5,6 +5,7 @@ remove nodes, abort a request by id. Every route checks the bearer token in cons
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,9 @@ from pd_router.fleet.nodes import MAX_SLOTS, Node, State, check_labels, normalis
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import Outcome, RemoteAborts
+
+# What an operator changed, and through which router: a line for each change.
+log = logging.getLogger("pd_router.admin")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -183,6 +187,15 @@ def admin_routes(
             node = await members.add(url, role, slots, labels)
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
+        log.info(
+            "admin: %s node %s (%s) %s, %d slots, labels %s",
+            role,
+            node.id,
+            url,
+            "added again" if known else "added",
+            node.slots,
+            node.labels,
+        )
         if node.state is State.JOINING and admit is not None:
             await admit(node)
         return _json(node_view(node, fleet, shown_port), 200 if known else 201)
@@ -195,6 +208,7 @@ def admin_routes(
             await members.drain(node)
         except ValueError as exc:
             return _error(409, str(exc), "conflict")
+        log.info("admin: %s node %s (%s) drained", node.role, node.id, node.url)
         # Accepted, not done: in-flight requests finish in their own time.
         return _json(node_view(node, fleet, shown_port), 202)
 
@@ -202,12 +216,15 @@ def admin_routes(
         node = find(request)
         if node is None:
             return _error(404, "no such node", "not_found")
+        force = request.query_params.get("force") == "true"
         try:
-            await members.remove(node, request.query_params.get("force") == "true")
+            await members.remove(node, force)
         except Conflict as exc:
             return _error(409, str(exc), "conflict")
         except ValueError as exc:
             return _error(409, str(exc), "not_drained")
+        how = " (forced)" if force else ""
+        log.info("admin: %s node %s (%s) removed%s", node.role, node.id, node.url, how)
         return _json({"removed": node.id})
 
     async def abort_request(request: Request) -> Response:
@@ -215,6 +232,8 @@ def admin_routes(
         status, document = abort_here(fleet, rid)
         if status == 404 and remote is not None:
             status, document = await remote.abort(rid) or (status, document)
+        if status == 200:
+            log.info("admin: request %s aborted", rid)
         return _json(document, status)
 
     return [

@@ -680,6 +680,13 @@ class Relay:
         self._reservation = other
         self.router.fleet.set_decode(binding, other.node)
         self._decode_node = other.node
+        log.warning(
+            "decode node %s not reached (%s), handing over to node %s request_id=%s",
+            first.id,
+            unreached.message,
+            other.node.id,
+            self.request_id,
+        )
         if self._local_on is not None and prompt is not None:
             # Short for what the first node holds; this one may hold none of it.
             self.outcome = "prefill_error"

@@ -322,12 +322,16 @@ async def test_a_prefill_that_fails_after_the_client_left_is_not_tried_again() -
     ids=["refused", "connect_timeout"],
 )
 async def test_a_decode_engine_out_of_reach_hands_the_request_to_another(
-    error: UpstreamError, dead: bool
+    error: UpstreamError, dead: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream = ScriptedUpstream()
     upstream.unreachable["http://decode0"] = error
     router = make_router(upstream, decodes=2)
-    client = await served(router, dict(BODY))
+    with caplog.at_level(logging.WARNING, logger="pd_router"):
+        client = await served(router, dict(BODY))
+    # Said, as a prefill's retry is (before, nothing said the request moved).
+    said = f"decode node 1 not reached (decode engine {error.message}), handing over to node 2"
+    assert said in caplog.text
     assert [url for url, _ in upstream.sent] == [
         "http://prefill0/v1/completions",
         "http://decode0/v1/completions",
@@ -388,7 +392,7 @@ async def test_a_request_moved_to_another_decode_node_decides_again_where_it_is_
     assert outcomes(router) == {("completions", "ok"): 1}
     assert router.fleet.pool.in_use == 0 and not d0.bound and not d1.bound
     (line,) = (
-        record.getMessage() for record in caplog.records if "request_id=" in record.getMessage()
+        record.getMessage() for record in caplog.records if record.name == "pd_router.access"
     )
     assert f"local_prefill={local}" in line and f"decode_node={d1.id}" in line
     assert ("prefill_node=None" in line) is local

@@ -253,6 +253,11 @@ def test_drain_remove_and_add_under_load(fleet: SimFleet) -> None:
                 complete(router, f"n {i}").raise_for_status()
             assert d2.stats()["completed"] > 0
         router.assert_idle()
+        # What the operator changed, a line each (before, none).
+        log = router.log()
+        assert f"admin: decode node {ids[d0.url]} ({d0.url}) drained" in log
+        assert f"admin: decode node {ids[d0.url]} ({d0.url}) removed" in log
+        assert f"admin: decode node {new_id} ({d2.url}) added, 8 slots, labels {{}}" in log
 
 
 def test_abort_by_id_mid_stream(fleet: SimFleet) -> None:
