@@ -403,18 +403,11 @@ class Relay:
         failure = await self._bootstrapped_on(first, client, binding, key, prompt)
         if failure is None:
             return
-        # A silence is no engine's known fault (``_unhanded``).
-        retry = failure.engine_fault and failure.kind != "timeout" and not self.client_gone
-        second = prefill.pick(key, avoid=first, model=self.model, prompt=chooses) if retry else None
+        # A silence is no engine's known fault (``_unhanded``): not tried again.
+        silent = failure.kind == "timeout"
+        second = None if silent else self._next_prefill(first, failure, key, chooses)
         if second is None:
             raise failure
-        log.warning(
-            "prefill node %s failed (%s), retrying on node %s request_id=%s",
-            first.id,
-            failure.message,
-            second.id,
-            self.request_id,
-        )
         failure = await self._bootstrapped_on(second, client, binding, key, prompt)
         if failure is not None:
             raise failure
@@ -472,7 +465,7 @@ class Relay:
                     # ExceptionGroup, which no RouterError handler takes (a 500).
                     error = exc
                     if _silent(exc) and not client.started:
-                        failed.append(self._unhanded(node, binding.decode))
+                        failed.append(self._unhanded(node, self._decode_node))
                         error = None
                 # The decode engine's answer is whole, or failed: the prefill engine's is not
                 # needed.
@@ -531,12 +524,7 @@ class Relay:
         started = time.perf_counter()
         try:
             try:
-                answer = await self.router.upstream.post(
-                    url, sent, self.request_id, self.via, headers, first_bytes=True
-                )
-                self._open.append(answer)
-            except UpstreamError as error:
-                raise self._blamed(node, error) from None
+                answer = await self._send(node, url, sent, headers, self._blamed)
             finally:
                 del sent  # written: not held while the answer streams
             try:
@@ -716,20 +704,29 @@ class Relay:
         try:
             return await self._prefill_on(first, binding, key, prompt, described)
         except UpstreamError as error:
-            retry = error.engine_fault and not self.client_gone
-            second = (
-                prefill.pick(key, avoid=first, model=self.model, prompt=prompt) if retry else None
-            )
+            second = self._next_prefill(first, error, key, prompt)
             if second is None:
                 raise
+            return await self._prefill_on(second, binding, key, prompt, described)
+
+    def _next_prefill(
+        self, first: Node, failure: UpstreamError, key: int, prompt: Prompt | None
+    ) -> Node | None:
+        """Where a prefill that failed on ``first`` is tried once more, in either dialect: an
+        engine's fault, the client still there, another live node."""
+        if not failure.engine_fault or self.client_gone:
+            return None
+        prefill = self.router.fleet.prefill
+        second = prefill.pick(key, avoid=first, model=self.model, prompt=prompt)
+        if second is not None:
             log.warning(
                 "prefill node %s failed (%s), retrying on node %s request_id=%s",
                 first.id,
-                error.message,
+                failure.message,
                 second.id,
                 self.request_id,
             )
-            return await self._prefill_on(second, binding, key, prompt, described)
+        return second
 
     async def _prefill_on(
         self,
@@ -862,16 +859,24 @@ class Relay:
             finally:
                 self._handoff = None
 
-    async def _send(self, node: Node, url: str, body: dict[str, Any], headers: bytes) -> Response:
+    async def _send(
+        self,
+        node: Node,
+        url: str,
+        body: dict[str, Any],
+        headers: bytes,
+        blamed: Callable[[Node, UpstreamError], UpstreamError] | None = None,
+    ) -> Response:
         """One request to ``node`` at ``url``, with ``headers`` besides those every request
-        has; the answer is closed when the request ends, if not before."""
+        has; the answer is closed when the request ends, if not before. ``blamed``: what
+        its failure is told as (``_engine_failed``, counted against the node)."""
         try:
             # Every answer's body is read next: one wake-up for its head and first bytes.
             answer = await self.router.upstream.post(
                 url, body, self.request_id, self.via, headers, first_bytes=True
             )
         except UpstreamError as error:
-            raise self._engine_failed(node, error) from None
+            raise (blamed or self._engine_failed)(node, error) from None
         self._open.append(answer)
         return answer
 

@@ -250,7 +250,8 @@ def test_a_prefill_slower_than_the_read_timeout_is_one_504_naming_both_engines(
     so nothing counts against either node. Before, the 504 named the decode engine."""
     fleet.reset()
     (prefill,) = fleet.prefill
-    with router_for(fleet, "--read-timeout", "2", "--admin-token", "t") as router:
+    # Long enough that the healthy request after it never waits that long on a slow machine.
+    with router_for(fleet, "--read-timeout", "5", "--admin-token", "t") as router:
         prefill.configure(prefill_delay=30)
         try:
             with pytest.raises(openai.APIStatusError) as silent:
