@@ -285,10 +285,14 @@ class EventStream:
 
     def forget(self, holdings: Holdings, empty: bool = False, restarted: bool = False) -> None:
         """The engine holds nothing the router knows of: nothing at all if ``empty``; a new
-        process if ``restarted`` (its blocks may be of another size: learned again)."""
+        process if ``restarted``: its blocks may be of another size and its cache of another
+        capacity (restarted with less memory for it), both learned again. The capacity
+        learned before bounds the prediction until its first eviction says what it is now
+        (evictions only ever raise a capacity once learned)."""
         self.index.clear(empty)
         if restarted:
             self.index.block_size = 0
+            self.capacity = None
         holdings.clear()
 
     def view(self) -> dict[str, Any]:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
+from pd_router.fleet import prefill
 from pd_router.fleet.holdings import CHUNK_BYTES, describe
-from pd_router.fleet.nodes import Node, make_nodes
+from pd_router.fleet.nodes import Node, State, make_nodes
 from pd_router.fleet.prefill import LOAD_FACTOR, MISS_WEIGHT, RECENT_PER_NODE, Cost
 
 # A shared opening far longer than any fixed cut, then each conversation's own turns.
@@ -303,3 +306,144 @@ def test_the_policys_windows_follow_the_fleet_when_it_shrinks() -> None:
     assert len(policy._recent) == RECENT_PER_NODE * 2 and len(policy._lately) == 2
     # Only the two nodes left are in the windows now, each given its share.
     assert sorted(policy._counts.items()) == [(0, RECENT_PER_NODE), (1, RECENT_PER_NODE)]
+
+
+def test_a_later_turn_is_bounded_by_the_prefills_in_flight_at_home() -> None:
+    """A long conversation's next turn, its home computing three other conversations'
+    short turns (little work waiting, far less than recomputing the history elsewhere):
+    home carries more in flight than LOAD_FACTOR x the mean + 1, so the turn is passed
+    over to the idle node, as ``prefix`` bounds load. Without the bound, a conversation's
+    turns queue behind every burst at home however many prefills wait there."""
+    nodes = prefill_nodes(2)
+    policy = Cost(nodes)
+    home, other = nodes
+    policy.release(policy.place(home, 0, describe(completion(1, 10))))
+    policy.release(policy.place(other, 0, describe(completion(2, 0))))
+    later = describe(completion(1, 11))
+    assert policy.pick(0, prompt=later) is home
+    busy = [policy.place(home, 0, describe(completion(3 + number, 0))) for number in range(3)]
+    history = later.cached(policy.view.of(home.id).held(later.chunks))
+    assert policy.waiting[home.id] < MISS_WEIGHT * history, "home is the cheapest"
+    assert len(busy) > LOAD_FACTOR * len(busy) / len(nodes) + 1
+    assert policy.pick(0, prompt=later) is other
+    for placement in busy:
+        policy.release(placement)
+    assert policy.pick(0, prompt=later) is home
+
+
+def test_a_later_turn_is_pushed_off_a_home_given_far_more_than_its_share() -> None:
+    """The share term never pulls a conversation's next turn, but it pushes it off a home
+    given more of the recent prefills than the mean plus the wider band, once that costs
+    more than recomputing its short history elsewhere (a node every conversation's turns
+    went to, the others idle, is what the share term is there to prevent)."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    home = nodes[0]
+    for index, node in enumerate(nodes):
+        policy.heard(node, describe(completion(100 + index, 0)))
+    policy.heard(home, describe(completion(1, 0)))
+    assert policy.pick(0, prompt=describe(completion(1, 1))) is home
+    for number in range(6):
+        policy.heard(home, describe(completion(200 + number, 0)))
+    assert policy.pick(0, prompt=describe(completion(1, 1))) is not home
+
+
+def doc_question(doc: int, number: int, words: int = 3) -> dict[str, object]:
+    """A document of exactly 20 whole chunks, then a question: a short one (a few words)
+    lies in the partial tail, so the prompt's last whole chunk is the document's."""
+    text = f"Document {doc}, to answer questions from. " * 200
+    text = text[: 20 * CHUNK_BYTES] + f"Question {number}: " + "why so? " * words
+    return {"model": "m", "prompt": text}
+
+
+def test_a_hot_documents_holder_busy_with_other_prompts_still_takes_its_questions() -> None:
+    """Node 0 holds document 0, on which two short questions ended (so what it holds is
+    shared, not one conversation's history), and had two of the last four placements
+    (hot). It now computes two prefills of another document, little work left to wait
+    for: a longer question on document 0 goes there, not to an idle node that would
+    compute the document again. The burst bound counts only the prefills behind the
+    document's opening on its holders (none in flight here), and the in-flight bound of
+    a conversation's next turn (which two prefills at home would exceed) does not apply
+    to a prompt extending what two prompts ended at."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    home = nodes[0]
+    for node in nodes:
+        for number in range(3):
+            policy.release(policy.place(node, 0, describe(doc_question(node.id, number))))
+    for node in nodes[1:]:
+        for number in range(4):
+            policy.release(policy.place(node, 0, describe(doc_question(node.id, 10 + number))))
+    for number in range(2):
+        policy.release(policy.place(home, 0, describe(doc_question(0, 20 + number))))
+    busy = [policy.place(home, 0, describe(doc_question(5, number))) for number in range(2)]
+    assert len(set(policy._counts.values())) == 1, "every node given as many prefills"
+    assert len(busy) > LOAD_FACTOR * len(busy) / len(nodes) + 1
+    ask = describe(doc_question(0, 99, words=150))
+    held = policy.view.of(home.id).held(ask.chunks)
+    assert held == 20 < len(ask.chunks)
+    assert policy.waiting[home.id] < MISS_WEIGHT * ask.cached(held)
+    assert policy.pick(0, prompt=ask) is home
+
+
+def test_a_session_no_node_holds_any_of_starts_within_the_burst_bound() -> None:
+    """A prompt no node holds a chunk of (a new opening: hot by definition) goes only to a
+    node with at most BURST_SLACK more prefills in flight than the least busy one, even
+    where the share term would pull it to a node given fewer recent prefills that is
+    busy with three cheap ones (each session brings its later turns where it starts)."""
+    nodes = prefill_nodes(2)
+    policy = Cost(nodes)
+    busy_node, idle = nodes
+    for number in range(12):
+        policy.heard(idle, describe(completion(100 + number, 0)))
+    policy.release(policy.place(busy_node, 0, describe(completion(1, 0))))
+    busy = [policy.place(busy_node, 0, describe(completion(1, 0))) for _ in range(3)]
+    assert policy.waiting[busy_node.id] < CHUNK_BYTES, "little work waiting there"
+    fresh = describe({"model": "m", "prompt": "A new opening, held nowhere. " * 200})
+    assert all(policy.view.of(node.id).held(fresh.chunks) == 0 for node in nodes)
+    assert policy.pick(0, prompt=fresh) is idle
+    for placement in busy:
+        policy.release(placement)
+    assert policy.pick(0, prompt=fresh) is busy_node, "the share term, once it is idle"
+
+
+def test_what_the_policy_remembers_of_prompt_ends_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each prompt placed leaves its (node, last chunk) for ``_continues``: the last
+    RECENT_KEYS only, whatever the number of conversations a router serves."""
+    monkeypatch.setattr(prefill, "RECENT_KEYS", 16)
+    policy = Cost(prefill_nodes(2))
+    for conversation in range(100):
+        place(policy, completion(conversation, 0))
+    assert len(policy._ends) == 16
+
+
+def test_the_share_weight_is_the_mean_size_of_the_prompts_in_its_window() -> None:
+    """The share term costs the window's mean prompt size per prefill beyond the band: its
+    chunks in all follow the window as it slides (before the window is full and long
+    after), so that what a router served hours ago does not inflate the share term."""
+    policy = Cost(prefill_nodes(4))
+    for conversation in range(300):
+        place(policy, completion(conversation, conversation % 7))
+        assert policy._chunks == sum(chunks for _, chunks in policy._recent)
+
+
+def test_the_shares_are_of_the_nodes_that_can_take_the_prefill() -> None:
+    """A node that died after it was given many of the recent prefills: the mean the
+    shares are measured against is the live nodes', so a later turn's home given far more
+    than the others left is still pushed off (before the window forgets the dead node's
+    prefills, they made every live node look under its share)."""
+    nodes = prefill_nodes(5)
+    policy = Cost(nodes)
+    home, dead = nodes[0], nodes[4]
+    for number in range(10):
+        policy.heard(dead, describe(completion(300 + number, 0)))
+    for index, node in enumerate(nodes[:4]):
+        policy.heard(node, describe(completion(100 + index, 0)))
+    policy.heard(home, describe(completion(1, 0)))
+    for number in range(6):
+        policy.heard(home, describe(completion(200 + number, 0)))
+    dead.state = State.DEAD
+    policy.refresh()
+    assert policy.pick(0, prompt=describe(completion(1, 1))) not in (home, dead)

@@ -10,8 +10,16 @@ from __future__ import annotations
 from collections import Counter
 
 import anyio
+import pytest
 
-from pd_router.fleet.holdings import CHUNK_BYTES, CHUNK_TOKENS, Holdings, KvView, describe
+from pd_router.fleet.holdings import (
+    CALIBRATION_WEIGHT,
+    CHUNK_BYTES,
+    CHUNK_TOKENS,
+    Holdings,
+    KvView,
+    describe,
+)
 from pd_router.fleet.nodes import make_nodes
 from pd_router.fleet.prefill import Cost
 from pd_router.fleet.registry import Fleet
@@ -206,3 +214,52 @@ def test_what_answers_teach_of_tokens_is_bounded_to_what_text_can_be() -> None:
     view.calibrate(text, 125)  # 0.25: the lowest an answer may say
     assert view.ratio < 2.0
     assert Holdings(1 << 30, 0.25).capacity == (1 << 24) // CHUNK_TOKENS
+
+
+def test_a_prompt_used_again_outlives_one_used_once_since() -> None:
+    """The prediction is an LRU, as vLLM's cache is: a shared opening every request reads
+    again is the most recent, and what goes first when the cache is full is the prompt
+    nobody used since (before the opening used again, not after it by first use)."""
+    holdings = Holdings(capacity_tokens=4 * CHUNK_TOKENS)
+    opening, once, new = [1, 2], [11, 12], [21, 22]
+    holdings.insert(opening)
+    holdings.insert(once)
+    holdings.insert(opening)
+    holdings.insert(new)
+    assert holdings.held(opening) == 2 and holdings.held(new) == 2
+    assert holdings.held(once) == 0
+
+
+def test_what_is_predicted_held_follows_the_engines_tokens_once_they_are_known() -> None:
+    """An engine whose tokens are twice the router's estimate holds half as many chunks of
+    text in the same cache: the prediction of a node seen before calibration shrinks too
+    (before, it kept the estimate's size and predicted hits the engine had evicted)."""
+    view = KvView(cache_tokens=100 * CHUNK_TOKENS)
+    before = view.of(0)
+    prompt = describe(completion(1, 0))
+    view.calibrate(prompt, 2 * prompt.estimate)
+    assert view.ratio == 2.0
+    before.insert(list(range(1000, 1100)))
+    after = view.of(1)
+    after.insert(list(range(1000, 1100)))
+    assert len(before) == len(after) == 50
+
+
+def test_a_node_removed_from_the_fleet_takes_its_prediction_with_it() -> None:
+    view = KvView()
+    chunks = describe(completion(1, 0)).chunks
+    for node_id in (0, 1):
+        view.of(node_id).insert(chunks)
+    view.forget({1})
+    assert view.of(0).held(chunks) == 0 and view.of(1).held(chunks) == len(chunks)
+
+
+def test_one_answer_moves_the_learned_ratio_only_a_little() -> None:
+    """The first engine count sets the tokens-per-estimate ratio; later ones move it by
+    CALIBRATION_WEIGHT of their difference, so one unusual prompt (code, another script)
+    does not resize every prediction at once."""
+    view = KvView()
+    prompt = describe(completion(1, 0))
+    view.calibrate(prompt, 2 * prompt.estimate)
+    view.calibrate(prompt, prompt.estimate)
+    assert view.ratio == pytest.approx(2.0 - CALIBRATION_WEIGHT)

@@ -213,3 +213,92 @@ def test_a_router_that_joins_a_full_cache_learns_its_capacity_once_it_turned_ove
         if step < blocks:
             assert stream.capacity is None
     assert stream.capacity == blocks * 16
+
+
+def test_an_engine_restarted_after_its_first_message_is_a_restart() -> None:
+    """A new engine process numbers its messages from 0 again: one that restarted after
+    sending only its first is no gap (which would leave its old prediction standing and
+    the stream degraded) but a restart, its cache empty and followed whole."""
+    view = KvView()
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(3)))
+    view.of(0).insert([1, 2, 3])
+    streams.apply(0, batch(0, stored(1)))
+    assert stream.restarts == 1 and not stream.faults
+    assert view.of(0).held([1, 2, 3]) == 0 and stream.index.blocks == 1
+    assert stream.index.whole and streams.live(0)
+
+
+def test_a_gap_does_not_shrink_the_capacity_evictions_taught() -> None:
+    """After a gap the index starts again empty, so it holds few blocks when the engine
+    next evicts one it saw stored: that is no measure of the cache, which evictions at a
+    fuller index taught already (before, the capacity, and so the prediction's bound,
+    fell to a few blocks and the router forgot what the engine held)."""
+    view = KvView(cache_tokens=1_000_000)
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(40)))
+    streams.apply(0, batch(1, ["BlockRemoved", [b"h0", b"h1"], None], stored(2)))
+    assert stream.capacity == 40 * 16
+    fresh = ["BlockStored", [b"n0", b"n1", b"n2"], None, list(range(48)), 16, None, None]
+    streams.apply(0, batch(5, fresh))
+    assert stream.faults == {"gap": 1} and stream.index.blocks == 3
+    streams.apply(0, batch(6, ["BlockRemoved", [b"n2"], None]))
+    assert stream.capacity == 40 * 16
+    assert view.of(0).capacity == 40 * 16 // CHUNK_TOKENS
+
+
+def test_an_engine_at_a_new_endpoint_is_followed_afresh_and_a_dropped_one_not_at_all() -> None:
+    """The node's event endpoint changed (its pod was replaced, found through DNS): what
+    the old publisher said is no word on the new engine, which is followed from its own
+    first message. A node no longer watched is read from its prediction only."""
+    view = KvView()
+    streams = EventStreams(view)
+    old = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(3)))
+    assert streams.live(0) and streams.watch(0, "tcp://p0:5557") is old
+    new = streams.watch(0, "tcp://p0-new:5557")
+    assert new is not old and new.endpoint == "tcp://p0-new:5557"
+    assert not streams.live(0) and view.indexes[0] is new.index
+    streams.apply(0, batch(7, stored(1)))
+    assert streams.live(0) and view.live[0] is new.index and new.index.blocks == 1
+    streams.drop(0)
+    assert not streams.live(0) and 0 not in view.indexes
+
+
+def test_a_restart_heard_after_its_first_messages_is_not_followed_whole() -> None:
+    """The publisher's count went back, but not to 0: the engine restarted and the router
+    missed its first messages, so the index cannot say the engine lacks what it never heard
+    of (the prediction answers for it), as it can after hearing message 0."""
+    view = KvView()
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    for seq in range(6):
+        streams.apply(0, batch(seq, stored(1)))
+    streams.apply(0, batch(3, stored(1)))
+    assert stream.restarts == 1 and not stream.index.whole
+    streams.apply(0, batch(0, stored(1)))
+    assert stream.restarts == 2 and stream.index.whole
+
+
+def test_an_engine_restarted_with_a_smaller_cache_has_its_capacity_learned_again() -> None:
+    """A capacity once learned only grows with later evictions (one at a lower fill is the
+    index missing blocks, not the cache shrinking), but a new process may have less memory
+    for its cache: its first eviction sets the capacity again, and the prediction's bound
+    with it. Before, the old capacity stood and the router predicted the engine held four
+    times what it could."""
+    view = KvView(cache_tokens=1_000_000)
+    streams = EventStreams(view)
+    stream = streams.watch(0, "tcp://p0:5557")
+    streams.apply(0, batch(0, stored(40)))
+    streams.apply(0, batch(1, ["BlockRemoved", [b"h0"], None]))
+    assert stream.capacity == 40 * 16
+    streams.apply(0, batch(0, stored(10)))
+    assert stream.restarts == 1
+    # Until the new process evicts, the bound learned before stands.
+    assert view.of(0).capacity == 40 * 16 // CHUNK_TOKENS
+    again = ["BlockStored", [b"x0"], None, list(range(16)), 16, None, None]
+    streams.apply(0, batch(1, ["BlockRemoved", [b"h0"], None], again))
+    assert stream.capacity == 10 * 16
+    assert view.of(0).capacity == 10 * 16 // CHUNK_TOKENS

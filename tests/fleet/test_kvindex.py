@@ -14,8 +14,10 @@ import time
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 
-from pd_router.fleet.holdings import KvView, describe
+from pd_router.fleet import kvindex
+from pd_router.fleet.holdings import CHUNK_BYTES, KvView, chunk_keys, describe
 from pd_router.fleet.kvevents import SETTLE, EventStreams, decode
 from pd_router.fleet.kvindex import BlockIndex, Links, block_keys, cached_tokens
 from pd_router.fleet.nodes import Node, make_nodes
@@ -389,3 +391,115 @@ def test_an_eviction_an_index_saw_is_believed_though_it_joined_late() -> None:
     assert index.removed([3]) == 1
     assert index.knows(keys, 3) == (2, True)
     assert index.knows(block_keys(list(range(100, 100 + 3 * BLOCK)), BLOCK), 3) == (0, False)
+
+
+def test_an_engine_computes_a_prompts_last_token_itself() -> None:
+    """vLLM computes at least the last prompt token: a prompt of whole blocks, all held, is
+    served one block short of its length from cache (the cost counts that block's work)."""
+    assert cached_tokens(4, BLOCK, 4 * BLOCK) == 3 * BLOCK
+    assert cached_tokens(4, BLOCK, 4 * BLOCK + 1) == 4 * BLOCK
+    assert cached_tokens(2, BLOCK, 4 * BLOCK) == 2 * BLOCK
+
+
+def test_what_an_index_remembers_of_evictions_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evicted keys an index remembers (what it knows the engine lacks) are the last
+    GONE: an engine that turns its cache over for hours does not grow the router's memory,
+    and the oldest evictions are the prediction's to answer again."""
+    monkeypatch.setattr(kvindex, "GONE", 3)
+    index = BlockIndex()
+    first, second = list(range(3 * BLOCK)), list(range(500, 500 + 3 * BLOCK))
+    assert index.stored([1, 2, 3], None, first, BLOCK)
+    assert index.stored([11, 12, 13], None, second, BLOCK)
+    assert index.removed([3, 2, 1]) == 3
+    assert index.knows(block_keys(first, BLOCK), 3) == (0, True)
+    assert index.removed([13, 12, 11]) == 3
+    assert index.knows(block_keys(second, BLOCK), 3) == (0, True)
+    assert index.knows(block_keys(first, BLOCK), 3) == (0, False)
+
+
+def test_every_node_is_costed_in_the_tokens_the_engines_counted() -> None:
+    """Long words: the router's estimate (4 bytes a token) is several times what the
+    engine counted. Once learned, the next turn's tokens are the engine's for every node
+    alike, the first one costed too: the turn stays where its history is (before, the
+    first node was costed in the estimate, the others in the engine's count, and the
+    turn moved off the node holding it)."""
+    fleet = Fleet()
+    long_words = " ".join(f"extraordinarily-long-word-{index}" for index in range(400))
+    text = long_words
+    fleet.serve(text, on=0)
+    text += " " + words("t0x", 50)
+    prompt = describe({"model": "m", "prompt": text})
+    estimate = prompt.tokens
+    assert fleet.policy.pick(0, prompt=prompt) is fleet.nodes[0]
+    assert prompt.tokens < estimate / 3, "the engine's count replaced the estimate"
+    picked, predicted, source, reported = fleet.serve(text)
+    assert (picked, source) == (0, "events") and predicted == reported > 0
+
+
+def test_what_was_learned_in_another_block_size_is_not_read_from_the_index() -> None:
+    """The engine restarted with 32-token blocks: what the router learned of a text in its
+    old 16-token blocks keys no block of the new index. The prediction answers for it, not
+    the index, which would say the engine holds none of it."""
+    fleet = Fleet()
+    text = words("s", 400)
+    fleet.serve(text, on=0)
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [b"a", b"b"],
+        "parent_block_hash": None,
+        "token_ids": list(range(64)),
+        "block_size": 32,
+        "medium": "GPU",
+    }
+    restart = [b"kv-events", bytes(8), msgpack.packb([time.time(), [event], None])]
+    apply(fleet.streams, 0, restart)
+    stream = fleet.streams.streams[0]
+    assert stream.restarts == 1 and stream.block_size == 32 and fleet.streams.live(0)
+    fleet.view.placed(0, "prefill", "http://p0:8100", describe({"model": "m", "prompt": text}))
+    prompt = describe({"model": "m", "prompt": text + " " + words("t0x", 50)})
+    held = fleet.view.of(0).held(prompt.chunks)
+    assert fleet.view.source(0, prompt) == "prediction"
+    assert fleet.view.cached(0, prompt, held) == prompt.cached(held) > 0
+
+
+def test_a_text_sharing_only_whole_chunks_is_given_no_block_where_the_texts_part() -> None:
+    """A prompt that shares a learned prompt's whole chunks but not the bytes after them
+    is given the blocks the shared bytes surely cover: their share of the tokens, less a
+    block (a token may straddle where the texts part, and the block holding it is not
+    this prompt's)."""
+    links = Links()
+    data = bytes(range(256)) * 3 + b"the learned prompt's own tail " * 3
+    chunked = 3 * CHUNK_BYTES
+    ids = list(range(len(data) // 4))
+    links.learn(chunk_keys(data)[-1], chunked, data, ids, BLOCK)
+    other = data[:chunked] + b"another tail entirely, as long " * 3
+    match = links.match(chunk_keys(other), other)
+    assert match is not None and match.extends is None
+    shared = len(ids) * chunked // len(data)
+    assert match.count == shared // BLOCK - 1
+    assert match.count * BLOCK <= shared - BLOCK
+
+
+def test_token_ids_that_are_not_the_events_blocks_are_not_followed() -> None:
+    """A BlockStored whose token ids do not fill its blocks is no engine's: it keys no
+    block a prompt could be compared with, and is not counted as held."""
+    index = BlockIndex()
+    assert not index.stored([1, 2], None, list(range(BLOCK)), BLOCK)
+    assert not index.stored([3], None, list(range(BLOCK + 1)), BLOCK)
+    assert len(index) == 0 and index.blocks == 0
+    assert index.held(block_keys(list(range(BLOCK)), BLOCK), 1) == 0
+
+
+def test_a_prompt_learned_again_counts_its_blocks_once() -> None:
+    """The same prompt learned again (a retry, a second engine's answer) replaces its link:
+    the blocks the links hold are counted once, so the bound evicts no other link for it
+    (before, each relearning added its blocks, and the bound emptied the links)."""
+    links = Links(max_blocks=40)
+    data = bytes(range(256)) * 3
+    ids = list(range(10 * BLOCK))
+    other = bytes(range(255, -1, -1)) * 2
+    links.learn(chunk_keys(other)[-1], len(other), other, ids, BLOCK)
+    for _ in range(10):
+        links.learn(chunk_keys(data)[-1], len(data), data, ids, BLOCK)
+    assert len(links) == 2 and links.blocks == 20
+    assert links.match(chunk_keys(other), other) is not None

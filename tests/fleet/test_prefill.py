@@ -149,6 +149,23 @@ def test_a_hot_prefix_spills_to_its_second_node_under_load() -> None:
     assert other.pick(key).url == second.url
 
 
+def test_a_node_at_the_load_bound_keeps_its_keys_and_one_beyond_it_spills() -> None:
+    """Passed over is a node carrying *more* than LOAD_FACTOR x the mean + 1: one carrying
+    exactly that much keeps its keys (it is within what bounded loads allow)."""
+    nodes = prefill_nodes(2)
+    policy = Prefix(nodes)
+    key = prefix_key(chat(1, 0))
+    home = policy.pick(key)
+    other = next(node for node in nodes if node is not home)
+    bind(home, 6)
+    bind(other, 2)
+    # Mean 8/2 = 4: the limit is 1.25 * 4 + 1 = 6, what home carries.
+    assert LOAD_FACTOR * 8 / 2 + 1 == 6
+    assert policy.pick(key) is home
+    bind(home, 7)
+    assert policy.pick(key) is other
+
+
 async def test_concurrent_requests_on_one_hot_prefix_stay_within_the_bound(
     anyio_backend: str,
 ) -> None:
