@@ -13,7 +13,9 @@ import orjson
 import pytest
 
 from pd_router.engines import bootstrap
-from pd_router.errors import UpstreamError
+from pd_router.errors import Evidence, UpstreamError
+from pd_router.fleet.nodes import Failure, State
+from pd_router.fleet.prefill import POLICIES, Cost
 from pd_router.relay import Relay, Router
 from tests.test_relay import (
     BODY,
@@ -22,6 +24,7 @@ from tests.test_relay import (
     decode_that_never_answers,
     failing_prefill0,
     make_router,
+    nothing,
     outcomes,
     served,
 )
@@ -387,3 +390,172 @@ async def test_a_silence_before_the_answer_is_no_nodes_fault_and_names_both_engi
     p0, _ = router.fleet.prefill.nodes
     assert p0.failures == 0 and router.fleet.pool.nodes[0].failures == 0
     assert not p0.bound and router.fleet.pool.in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_chat_of_several_choices_gets_a_room_for_each_at_both_engines() -> None:
+    """A chat's ``n`` over 1 is a batch to SGLang's engines, as a list of prompts is: one
+    host, port and room per sequence, at both engines."""
+    upstream = paired(ScriptedUpstream())
+    router = sglang_router(upstream)
+    client = Client()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+    with anyio.fail_after(10):
+        await Relay(router, "chat", body, "r")(
+            {}, client.receive, client.send  # type: ignore[arg-type]
+        )
+    assert client.messages[0]["status"] == 200
+    (prefill,) = sent_to(upstream, "http://prefill0")
+    assert sent_to(upstream, "http://decode") == [prefill]
+    assert prefill["bootstrap_host"] == ["prefill0"] * 3
+    assert prefill["bootstrap_port"] == [bootstrap.DEFAULT_PORT] * 3
+    assert len(set(prefill["bootstrap_room"])) == 3
+
+
+@pytest.mark.anyio
+async def test_when_the_other_prefill_node_fails_too_its_failure_is_the_clients() -> None:
+    """Tried once more and failed again: the client gets the second engine's error (not a
+    silence, nor a success), each node's failure counted once, nothing tried a third time."""
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 503
+    upstream.status["http://prefill1"] = 500
+
+    async def waits_for_kv() -> None:
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = waits_for_kv
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 500
+    error = orjson.loads(client.messages[-1]["body"])["error"]
+    assert error["message"].startswith("prefill engine http://prefill1"), error
+    assert outcomes(router) == {("completions", "prefill_error"): 1}
+    assert len(sent_to(upstream, "http://prefill")) == 2, "one retry, not more"
+    p0, p1 = router.fleet.prefill.nodes
+    assert p0.failures == p1.failures == 1
+    assert router.fleet.pool.nodes[0].failures == 0, "nothing said against the decode engine"
+    assert not p0.bound and not p1.bound
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+    assert all(response.closed for response in upstream.responses)
+
+
+@pytest.mark.anyio
+async def test_the_prefill_policy_forgets_each_placement_whatever_the_attempt_did() -> None:
+    """``--prefill-policy cost`` counts the work placed on each prefill node until its
+    placement is released: a placement never released would weigh against its node for
+    ever. A success, an attempt that failed and its retry all release theirs."""
+    upstream = paired(ScriptedUpstream())
+
+    async def waits_for_kv() -> None:
+        await anyio.sleep(3600)
+
+    router = sglang_router(upstream, prefills=2)
+    fleet = router.fleet
+    policy = fleet.prefill = POLICIES["cost"](fleet.prefill.nodes, fleet.kv)
+    assert isinstance(policy, Cost)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+        assert client.messages[0]["status"] == 200
+        assert not policy.waiting and not policy._inflight
+        upstream.status["http://prefill0"] = upstream.status["http://prefill1"] = 503
+        upstream.prefill_headers = upstream.on_prefill_read = nothing
+        upstream.decode_headers = waits_for_kv
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 503
+    assert len(sent_to(upstream, "http://prefill")) == 3, "the failed attempt was retried"
+    assert not policy.waiting and not policy._inflight, "every placement released"
+    assert fleet.pool.in_use == 0 and fleet.bindings == {}
+
+
+@pytest.mark.anyio
+async def test_a_prefill_node_that_dies_once_its_answer_came_fails_no_request_on_it() -> None:
+    """Once the prefill engine answered (its KV gone to the decode engine), the request no
+    longer depends on its node: the node's death, as the prober sees it, leaves the decode
+    engine's answer alone (it was bound to the node for as long as the request lasted)."""
+    upstream = paired(ScriptedUpstream())
+    router = sglang_router(upstream)
+    fleet = router.fleet
+    p0 = fleet.prefill.nodes[0]
+    dead: list[State] = []
+
+    async def prefill_dies_meanwhile() -> None:
+        (prefill,) = (r for r in upstream.responses if r.url.startswith("http://prefill0"))
+        while not prefill.closed:  # the prefill engine's answer was read whole
+            await anyio.sleep(0.001)
+        gone = Failure("refused", "injected: connection refused", Evidence.HARD)
+        for _ in range(fleet.policy.unhealthy_after):  # refused probes: the node is dead
+            fleet.failed(p0, gone, probe=True)
+        dead.append(p0.state)
+
+    upstream.on_decode_read = prefill_dies_meanwhile
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200
+    assert dead == [State.DEAD]
+    assert orjson.loads(client.messages[-1]["body"])["choices"] == [{"text": " hi"}]
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert fleet.pool.in_use == 0 and fleet.bindings == {}
+
+
+@pytest.mark.anyio
+async def test_the_decode_request_of_a_failed_attempt_is_closed_before_the_retry() -> None:
+    """The decode engine's first request waits for a room no prefill engine will compute:
+    closed as soon as its prefill failed, not held open (a slot of the decode engine's)
+    while the other prefill node is tried."""
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 503
+    decode_started, first_closed_at_retry = anyio.Event(), []
+
+    async def fails_once_the_decode_engine_has_the_request() -> None:
+        if upstream.sent[-1][0].startswith("http://prefill0"):
+            await decode_started.wait()
+
+    decodes = 0
+
+    async def second_decode_request() -> None:
+        nonlocal decodes
+        decodes += 1
+        if decodes == 2:
+            first_closed_at_retry.append(upstream.responses[0].closed)
+
+    reads = 0
+
+    async def first_waits_for_its_room() -> None:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            decode_started.set()
+            await anyio.sleep(3600)
+
+    upstream.prefill_headers = fails_once_the_decode_engine_has_the_request
+    upstream.decode_headers = second_decode_request
+    upstream.on_decode_read = first_waits_for_its_room
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200
+    assert upstream.responses[0].url.startswith("http://decode")
+    assert first_closed_at_retry == [True], "the first decode request closed before the retry"
+    assert all(response.closed for response in upstream.responses)
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+@pytest.mark.anyio
+async def test_a_prefill_that_refuses_the_request_is_not_tried_on_another_node() -> None:
+    """A 4xx is the client's request, not the engine's fault: not worth another node."""
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 400
+
+    async def waits_for_kv() -> None:
+        await anyio.sleep(3600)
+
+    upstream.decode_headers = waits_for_kv
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 400
+    assert len(sent_to(upstream, "http://prefill")) == 1
+    assert outcomes(router) == {("completions", "bad_request"): 1}
+    assert all(node.failures == 0 for node in router.fleet.nodes)
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}

@@ -195,12 +195,15 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
 ) -> None:
     """Its /health answers, but every decode engine would fail to take its rooms (and be
     blamed): the prober connects to the bootstrap port too, and the node goes dead with
-    the reason, while one whose port answers serves."""
+    the reason at the first refusal, while one whose port answers serves."""
     fleet.reset()
     (prefill,) = fleet.prefill
     nowhere = free_port()
     decode = [engine.url for engine in fleet.decode]
-    args = [*SGLANG, "--admin-token", "t", "--health-interval", "0.2"]
+    # One refusal is enough (the decode engines would take the blame for every request in
+    # the meantime), not --unhealthy-after in a row: ten would take 45 s at least.
+    probes = ["--health-interval", "5", "--unhealthy-after", "10"]
+    args = [*SGLANG, "--admin-token", "t", *probes]
     wrong = f"{prefill.url},bootstrap_port={nowhere}"
     with RouterProcess([wrong], decode, *args) as router:
 
@@ -210,7 +213,7 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
             )
             return next(n for n in answer.json()["nodes"] if n["role"] == "prefill")
 
-        wait_for(lambda: prefill_node()["state"] == "dead", what="the prefill node dead")
+        wait_for(lambda: prefill_node()["state"] == "dead", timeout=30, what="it dead")
         node = prefill_node()
         assert node["reason"] == "bootstrap refused"
         assert f"bootstrap server 127.0.0.1:{nowhere}" in node["last_error"]

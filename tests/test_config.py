@@ -224,6 +224,11 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
         ("[[decode]]\nslots = 2\n", "decode[0].url: expected a URL string"),
         ("[[prefill]]\nurl = 'http://p:1'\nlabels = { n = 3 }\n", "prefill[0].labels: label 'n'"),
         ("[[prefill]]\nurl = 'http://p:1'\nlabels = { 'a b' = 'x' }\n", "prefill[0].labels: "),
+        # Read as a port by SGLang's dialect at every request: refused at start, not then.
+        (
+            "[[prefill]]\nurl = 'http://p:1'\nlabels = { bootstrap_port = 'x' }\n",
+            "prefill[0].labels: 'bootstrap_port': bootstrap_port must be a port number, got 'x'",
+        ),
     ],
 )
 def test_bad_value_in_file_is_refused_naming_the_key(

@@ -103,7 +103,9 @@ async def _bootstrap_answers(url: str, port: int, timeout: float) -> Failure | N
     """Whether an SGLang prefill engine's bootstrap server takes a connection: decode
     engines dial it for each request's KV. An engine whose /health answers and whose
     bootstrap port does not (a wrong --bootstrap-port or label) would fail every request
-    it prefills, at the decode engines, which would be blamed for it."""
+    it prefills, at the decode engines, which would be blamed for it: so one refusal is
+    fatal, as a real request's is (three in a row, at start, let a burst of requests
+    through it and made its only decode node unhealthy)."""
     host = urlsplit(url).hostname or ""
     where = f"bootstrap server {host}:{port}"
     try:
@@ -112,7 +114,7 @@ async def _bootstrap_answers(url: str, port: int, timeout: float) -> Failure | N
     except TimeoutError:
         return Failure(PROBE_TIMEOUT, f"{where}: no connection within {timeout:g} s", Evidence.SOFT)
     except OSError as exc:
-        return Failure("bootstrap refused", f"{where}: {exc.strerror or exc}", Evidence.HARD)
+        return Failure("bootstrap refused", f"{where}: {exc.strerror or exc}", Evidence.FATAL)
     await stream.aclose()
     return None
 
