@@ -124,10 +124,12 @@ def admin_routes(
         return check
 
     def find(request: Request) -> Node | None:
-        try:
-            return fleet.node(int(request.path_params["node_id"]))
-        except ValueError:
+        # The id as /admin/nodes shows it: int() would also take "1_0", " 1" or other
+        # scripts' digits, and act on a node the path does not name.
+        node_id = request.path_params["node_id"]
+        if not (node_id.isascii() and node_id.isdigit()):
             return None
+        return fleet.node(int(node_id))
 
     async def list_nodes(request: Request) -> Response:
         nodes = [node_view(node, fleet, shown_port) for node in fleet.nodes]

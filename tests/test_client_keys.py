@@ -179,6 +179,35 @@ def test_a_key_past_its_max_in_flight_gets_429_and_nobody_else_is_affected(
         router.assert_idle()
 
 
+def test_a_keys_place_is_given_back_however_its_request_ends(
+    fleet: SimFleet, tmp_path: Path
+) -> None:
+    """carol may have one request in flight: after hers fails at the engine, or is refused
+    for want of a slot, she is served again."""
+    fleet.reset()
+    decode = fleet.decode[0]
+    with router_for(fleet, key_file(tmp_path / "keys", KEYS), "--decode-slots", "1") as router:
+        decode.configure(fail_status=500, fail_message="engine exploded")
+        try:
+            with pytest.raises(openai.InternalServerError):
+                complete(router, CAROL)
+        finally:
+            decode.configure(fail_status=None)
+        wait_for(lambda: _served(router, CAROL), timeout=30, what="carol served after a 500")
+        # alice holds the only slot: carol's request is refused for it, not for her key.
+        holder = Holder(router, ALICE)
+        holder.start()
+        assert holder.started.wait(30)
+        with pytest.raises(openai.RateLimitError) as busy:
+            complete(router, CAROL)
+        assert busy.value.code == "decode_nodes_busy"
+        holder.release.set()
+        holder.join(30)
+        assert holder.failure is None
+        wait_for(lambda: _served(router, CAROL), timeout=30, what="carol served after a 429")
+        router.assert_idle()
+
+
 def _served(router: RouterProcess, key: str) -> bool:
     try:
         complete(router, key)

@@ -34,7 +34,9 @@ def test_plain_and_digest_keys_names_limits_and_comments() -> None:
      [b"Bearer " + hashlib.sha256(ALICE.encode()).hexdigest().encode()], [ALICE.encode()],
      # Two headers, the right key in either: which counts would depend on who reads them.
      [f"Bearer {ALICE}".encode(), b"Bearer wrong"], [b"Bearer wrong", f"Bearer {ALICE}".encode()],
-     [f"Bearer {ALICE}".encode()] * 2],
+     [f"Bearer {ALICE}".encode()] * 2,
+     # Another scheme that merely begins like it.
+     [b"Bearerx " + ALICE.encode()], [b"Bearer: " + ALICE.encode()]],
 )  # fmt: skip
 def test_anything_but_one_listed_bearer_key_is_401(headers: list[bytes]) -> None:
     keys = parse(f"alice {ALICE}\n")
@@ -55,6 +57,8 @@ def test_anything_but_one_listed_bearer_key_is_401(headers: list[bytes]) -> None
         ("alice\n", "line 1: expected NAME KEY"),
         (f"\n\nal ice {ALICE}\n", "line 3: unknown or repeated option"),
         (f"al/ice {ALICE}\n", "line 1: the name must be"),
+        # A name goes in every log line and metric label: bounded.
+        (f"{'a' * 65} {ALICE}\n", "line 1: the name must be"),
         (f"alice {ALICE}\nalice sk-other\n", "line 2: the name 'alice' is given twice"),
         (f"alice {ALICE}\nbob {ALICE}\n", "line 2: key 'bob' is the same key"),
         ("alice sha256:abc\n", "line 1: sha256: must be followed by 64 hex digits"),
@@ -88,3 +92,11 @@ def test_an_empty_file_refuses_everyone() -> None:
     assert len(keys) == 0
     with pytest.raises(Unauthorized):
         keys.check([f"Bearer {ALICE}".encode()])
+
+
+def test_an_empty_key_is_refused_even_if_the_file_lists_its_digest() -> None:
+    """``sha256:`` of nothing: no header can carry an empty key to match it."""
+    keys = parse(f"nobody sha256:{hashlib.sha256(b'').hexdigest()}\n")
+    for header in (b"Bearer", b"Bearer ", b"Bearer   "):
+        with pytest.raises(Unauthorized):
+            keys.check([header])

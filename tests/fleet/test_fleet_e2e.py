@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -288,8 +289,107 @@ def test_admin_needs_its_token(fleet: SimFleet) -> None:
             assert nodes.status_code == 200, spelled
         twice = [("authorization", AUTH["Authorization"]), ("authorization", "Bearer nope")]
         assert httpx.get(f"{router.url}/admin/nodes", headers=twice).status_code == 401
+        # The valid one second of two; nothing near the token either: a part of it, more
+        # than it, another case, another scheme.
+        refused = [
+            [*reversed(twice)],
+            *(
+                [("authorization", spelled)]
+                for spelled in (
+                    f"Bearer {token[:-1]}",
+                    f"Bearer {token}x",
+                    f"Bearer {token.upper()}",
+                    f"Basic {token}",
+                    f"Bearerx {token}",
+                )
+            ),
+        ]
+        for headers in refused:
+            answer = httpx.get(f"{router.url}/admin/nodes", headers=headers)
+            assert answer.status_code == 401, headers
+        # Every route is behind it, and a refused call changes nothing.
+        stream = Stream(router, "not yours to abort", 60, "keep-me")
+        stream.start()
+        wait_for(lambda: len(stream.events) >= 1, what="the stream begun")
+        states = node_states(router)
+        slots = {n["id"]: n["slots"] for n in admin(router, "GET", "/nodes").json()["nodes"]}
+        decode_id = max(states)
+        for method, path, body in (
+            ("POST", f"/nodes/{decode_id}/drain", None),
+            ("DELETE", f"/nodes/{decode_id}?force=true", None),
+            ("POST", "/nodes", {"url": fleet.decode[0].url, "role": "decode", "slots": 5}),
+            ("POST", "/requests/keep-me/abort", None),
+        ):
+            for headers in ({}, {"Authorization": "Bearer nope"}):
+                answer = httpx.request(
+                    method, f"{router.url}/admin{path}", headers=headers, json=body, timeout=10
+                )
+                assert answer.status_code == 401, (method, path, headers, answer.text)
+                assert answer.json()["error"]["code"] == "unauthorized"
+        after = node_states(router)
+        assert after.keys() == states.keys() and "draining" not in after.values(), after
+        assert {
+            n["id"]: n["slots"] for n in admin(router, "GET", "/nodes").json()["nodes"]
+        } == slots
+        stream.join(60)
+        assert stream.completed(), stream.events
     with RouterProcess([fleet.prefill[0].url], [fleet.decode[0].url]) as router:
         assert httpx.get(f"{router.url}/admin/nodes", headers=AUTH).status_code == 404
+
+
+def test_admin_refuses_what_it_cannot_do_and_changes_nothing(fleet: SimFleet) -> None:
+    with router_for(fleet) as router:
+        states = node_states(router)
+        serving = max(states)
+        # Spellings Python's int() reads as that node's id, which name no node here.
+        other_digits = quote("".join(chr(0x660 + int(digit)) for digit in str(serving)))
+        for method, path in (
+            ("POST", "/nodes/99/drain"),
+            ("DELETE", "/nodes/99"),
+            ("POST", "/nodes/one/drain"),
+            ("DELETE", "/nodes/one"),
+            ("POST", f"/nodes/0_{serving}/drain"),
+            ("POST", f"/nodes/%20{serving}/drain"),
+            ("POST", f"/nodes/{other_digits}/drain"),
+            ("POST", "/requests/nobody/abort"),
+        ):
+            answer = admin(router, method, path)
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "not_found"
+        # Only force=true forces: a serving node is not removed.
+        for query in ("", "?force=false", "?force=1"):
+            refused = admin(router, "DELETE", f"/nodes/{serving}{query}")
+            assert refused.status_code == 409, (query, refused.text)
+            assert refused.json()["error"]["code"] == "not_drained"
+        # A role or slots the fleet has no use for.
+        for bad, param in [
+            ({"role": "banana"}, "role"),
+            ({"role": None}, "role"),
+            ({"slots": 0}, "slots"),
+            ({"slots": True}, "slots"),
+            ({"slots": 1.5}, "slots"),
+            ({"slots": "8"}, "slots"),
+        ]:
+            spec = {"url": "http://127.0.0.1:9", "role": "decode", **bad}
+            answer = admin(router, "POST", "/nodes", json=spec)
+            assert answer.status_code == 400, (bad, answer.text)
+            assert answer.json()["error"]["param"] == param
+        after = node_states(router)
+        assert after.keys() == states.keys() and "draining" not in after.values(), after
+        # The drain lands on the node named, and on no other.
+        drained = admin(router, "POST", f"/nodes/{serving}/drain")
+        assert drained.status_code == 202 and drained.json()["id"] == serving
+        after = node_states(router)
+        assert after.keys() == states.keys(), after
+        assert [i for i, state in after.items() if state == "draining"] == [serving], after
+        # Adding that engine again is no new node: 200, under its id, undrained.
+        url = next(
+            n["url"] for n in admin(router, "GET", "/nodes").json()["nodes"] if n["id"] == serving
+        )
+        again = admin(router, "POST", "/nodes", json={"url": url, "role": "decode"})
+        assert again.status_code == 200 and again.json()["id"] == serving, again.text
+        assert again.json()["state"] != "draining"
+        assert node_states(router).keys() == states.keys()
 
 
 def test_sigterm_lets_streams_finish_and_refuses_new_requests(fleet: SimFleet) -> None:

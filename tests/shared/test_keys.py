@@ -77,6 +77,38 @@ async def test_a_keys_limit_is_the_fleets(redis: Redis, redis_server: RedisServe
         assert first.in_flight == {} and second.in_flight == {}
 
 
+async def test_a_place_given_back_is_told_at_once_not_when_the_lease_ends(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    """A lease far longer than the wait: only the release's own call can free the place."""
+    async with router(redis_server, 600.0) as first, router(redis_server, 600.0) as second:
+        await first.enter("carol", 1)
+        with pytest.raises(RateLimited):
+            await second.enter("carol", 1)
+        first.leave("carol")
+        await eventually_admitted(second, "carol", 1)
+
+
+async def test_a_request_cancelled_while_its_ask_is_out_holds_nothing(
+    redis: Redis, redis_server: RedisServer
+) -> None:
+    """Its client gone while the ask was on its way: the answer is waited for all the same,
+    so the request is told it entered and leaves, and no count stays behind here."""
+    async with router(redis_server) as limits:
+        entered = False
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await limits.enter("carol", 1)
+            entered = True
+        if entered:
+            limits.leave("carol")
+        # Asks are answered in order: once alice's is, carol's has been.
+        assert await admitted(limits, "alice", 1)
+        assert limits.in_flight == {}
+        await eventually_admitted(limits, "carol", 1)
+        assert limits.in_flight == {}
+
+
 @asynccontextmanager
 async def behind_proxy(
     redis_server: RedisServer, lease: float = 10.0
