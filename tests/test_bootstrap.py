@@ -140,10 +140,7 @@ async def test_a_prefill_that_fails_before_the_answer_began_fails_the_request_at
             "http://prefill0: unreachable: refused", kind="unreachable"
         )
 
-    async def waits_for_kv() -> None:
-        await anyio.sleep(3600)
-
-    upstream.decode_headers = waits_for_kv
+    decode_that_never_answers(upstream)
     router = sglang_router(upstream)
     with anyio.fail_after(10):
         client = await served(router, {**BODY, "stream": True})
@@ -420,10 +417,7 @@ async def test_when_the_other_prefill_node_fails_too_its_failure_is_the_clients(
     upstream.status["http://prefill0"] = 503
     upstream.status["http://prefill1"] = 500
 
-    async def waits_for_kv() -> None:
-        await anyio.sleep(3600)
-
-    upstream.decode_headers = waits_for_kv
+    decode_that_never_answers(upstream)
     router = sglang_router(upstream, prefills=2)
     with anyio.fail_after(10):
         client = await served(router, dict(BODY))
@@ -447,9 +441,6 @@ async def test_the_prefill_policy_forgets_each_placement_whatever_the_attempt_di
     ever. A success, an attempt that failed and its retry all release theirs."""
     upstream = paired(ScriptedUpstream())
 
-    async def waits_for_kv() -> None:
-        await anyio.sleep(3600)
-
     router = sglang_router(upstream, prefills=2)
     fleet = router.fleet
     policy = fleet.prefill = POLICIES["cost"](fleet.prefill.nodes, fleet.kv)
@@ -460,7 +451,7 @@ async def test_the_prefill_policy_forgets_each_placement_whatever_the_attempt_di
         assert not policy.waiting and not policy._inflight
         upstream.status["http://prefill0"] = upstream.status["http://prefill1"] = 503
         upstream.prefill_headers = upstream.on_prefill_read = nothing
-        upstream.decode_headers = waits_for_kv
+        decode_that_never_answers(upstream)
         client = await served(router, dict(BODY))
     assert client.messages[0]["status"] == 503
     assert len(sent_to(upstream, "http://prefill")) == 3, "the failed attempt was retried"
@@ -547,10 +538,7 @@ async def test_a_prefill_that_refuses_the_request_is_not_tried_on_another_node()
     upstream = ScriptedUpstream()
     upstream.status["http://prefill0"] = 400
 
-    async def waits_for_kv() -> None:
-        await anyio.sleep(3600)
-
-    upstream.decode_headers = waits_for_kv
+    decode_that_never_answers(upstream)
     router = sglang_router(upstream, prefills=2)
     with anyio.fail_after(10):
         client = await served(router, dict(BODY))

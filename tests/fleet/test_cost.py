@@ -29,6 +29,17 @@ def completion(conversation: int, turns: int) -> dict[str, object]:
     return {"model": "m", "prompt": text}
 
 
+def conversation_at_home() -> tuple[Cost, Node]:
+    """Four nodes, each holding the opening (another router's conversation there), and
+    the first of them, home, conversation 1's first turn too."""
+    nodes = prefill_nodes(4)
+    policy = Cost(nodes)
+    for index, node in enumerate(nodes):
+        policy.heard(node, describe(completion(100 + index, 0)))
+    policy.heard(nodes[0], describe(completion(1, 0)))
+    return policy, nodes[0]
+
+
 def place(policy: Cost, body: dict[str, object]) -> tuple[Node, int]:
     """Pick and place one prefill and release it (nothing waits): where, and the tokens
     it was predicted to compute."""
@@ -112,14 +123,8 @@ def test_a_later_turn_is_not_moved_by_counts_a_new_conversation_avoids() -> None
     """Its home was given a few more of the recent prefills than the others: a new
     conversation goes elsewhere, but the conversation's next turn stays home, where its
     history is (before, the share term moved it and it recomputed its first turn)."""
-    nodes = prefill_nodes(4)
-    policy = Cost(nodes)
-    home = nodes[0]
-    # Every node holds the opening; home holds conversation 1's first turn too, and
-    # was given three more prefills than each of the others.
-    for index, node in enumerate(nodes):
-        policy.heard(node, describe(completion(100 + index, 0)))
-    policy.heard(home, describe(completion(1, 0)))
+    policy, home = conversation_at_home()
+    # Home was given three more prefills than each of the others.
     for index in range(2):
         policy.heard(home, describe(completion(200 + index, 0)))
     assert policy.pick(0, prompt=describe(completion(2, 0))) is not home
@@ -336,12 +341,7 @@ def test_a_later_turn_is_pushed_off_a_home_given_far_more_than_its_share() -> No
     given more of the recent prefills than the mean plus the wider band, once that costs
     more than recomputing its short history elsewhere (a node every conversation's turns
     went to, the others idle, is what the share term is there to prevent)."""
-    nodes = prefill_nodes(4)
-    policy = Cost(nodes)
-    home = nodes[0]
-    for index, node in enumerate(nodes):
-        policy.heard(node, describe(completion(100 + index, 0)))
-    policy.heard(home, describe(completion(1, 0)))
+    policy, home = conversation_at_home()
     assert policy.pick(0, prompt=describe(completion(1, 1))) is home
     for number in range(6):
         policy.heard(home, describe(completion(200 + number, 0)))
