@@ -205,15 +205,24 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
     probes = ["--health-interval", "5", "--unhealthy-after", "10"]
     args = [*SGLANG, "--admin-token", "t", *probes]
     wrong = f"{prefill.url},bootstrap_port={nowhere}"
-    with RouterProcess([wrong], decode, *args) as router:
+    # Not `with`: it waits for the router's /health, which says no prefill node serves once
+    # the first probe round took the only one out (at once, with no request yet).
+    router = RouterProcess([wrong], decode, *args).start()
 
-        def prefill_node() -> dict[str, Any]:
-            answer = httpx.get(
-                f"{router.url}/admin/nodes", headers={"Authorization": "Bearer t"}, timeout=10
-            )
-            return next(n for n in answer.json()["nodes"] if n["role"] == "prefill")
+    def prefill_node() -> dict[str, Any]:
+        answer = httpx.get(
+            f"{router.url}/admin/nodes", headers={"Authorization": "Bearer t"}, timeout=10
+        )
+        return next(n for n in answer.json()["nodes"] if n["role"] == "prefill")
 
-        wait_for(lambda: prefill_node()["state"] == "dead", timeout=30, what="it dead")
+    def dead() -> bool:
+        try:
+            return bool(prefill_node()["state"] == "dead")
+        except httpx.TransportError:
+            return False  # not listening yet
+
+    try:
+        wait_for(dead, timeout=30, what="the prefill node dead")
         node = prefill_node()
         assert node["reason"] == "bootstrap refused"
         assert f"bootstrap server 127.0.0.1:{nowhere}" in node["last_error"]
@@ -222,6 +231,8 @@ def test_a_prefill_engine_whose_bootstrap_port_takes_no_connection_is_taken_out(
             client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
         assert refused.value.status_code == 503
         assert all(engine.stats()["requests"] == 0 for engine in fleet.decode)
+    finally:
+        router.stop()
     right = f"{prefill.url},bootstrap_port={prefill.port}"
     with RouterProcess([right], decode, *args) as router:
         answer = client_for(router).completions.create(model="sim-model", prompt="a", max_tokens=1)
