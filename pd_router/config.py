@@ -66,6 +66,10 @@ C = TypeVar("C", bound=Callable[[str], Any])
 def number(text: str) -> float:
     """A flag's number, or NaN (which fails every range check) for text that is none or a
     number that is not finite: ``inf`` seconds made the prober's tick NaN."""
+    # ASCII, no spaces or digit separators: float() also reads "1_0", " 5" and other
+    # scripts' digits.
+    if not text.isascii() or "_" in text or text != text.strip():
+        return math.nan
     try:
         value = float(text)
     except ValueError:

@@ -87,10 +87,8 @@ def _whole(low: int, high: int | None, rule: str) -> Callable[[str], int]:
 
     @config.reads_number
     def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
+        # ASCII digits only: int() also reads "1_0", " 8" and other scripts' digits.
+        value = int(text) if text.isascii() and text.isdigit() else low - 1
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
         return value
@@ -105,6 +103,16 @@ _workers = _whole(1, workers.MAX_WORKERS, f"a whole number >= 1 and <= {workers.
 # Nothing further down refuses 70000: uvicorn would quietly listen on 70000 % 65536.
 _port = _whole(0, 65535, "a whole number from 0 to 65535 (0: any free port)")
 _engine_port = _whole(1, 65535, "a whole number from 1 to 65535")
+
+
+def _host(text: str) -> str:
+    """The address to listen on: an empty one would be every interface's (0.0.0.0), which
+    a template rendering ``--host "$HOST"`` with HOST unset would give without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"must be an address or name to listen on (0.0.0.0: every interface), got {text!r}"
+        )
+    return text
 
 
 def _token(text: str) -> str:
@@ -153,7 +161,7 @@ def _traces_url(text: str) -> str:
 
 # (flag, type, default, metavar, help): one table, so every option reads the same way.
 OPTIONS: list[tuple[str, Callable[[str], Any], Any, str | None, str]] = [
-    ("--host", str, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
+    ("--host", _host, "127.0.0.1", "HOST", "address to listen on, IPv4 or IPv6"),
     ("--port", _port, 8000, "PORT", "port to listen on; 0 picks a free one, which is logged"),
     ("--decode-slots", _slots, 1, "N",
      "sequences each decode node serves at once, unless the node says otherwise"),

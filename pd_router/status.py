@@ -307,6 +307,21 @@ def _timeout(text: str) -> float:
     return value
 
 
+def _router_url(text: str) -> str | None:
+    """The router's base URL, or None for one urllib would fail on later with a traceback
+    (a port that is no number, an unclosed IPv6 bracket, a space in the host)."""
+    try:
+        parts = urlsplit(text)
+        parts.port  # raises ValueError for a port that is not one
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    if not parts.netloc.isprintable() or any(char.isspace() for char in parts.netloc):
+        return None
+    return text.rstrip("/")
+
+
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     parser = Parser(
         prog="pd-router status", description="Show a running pd-router's nodes and queue."
@@ -330,9 +345,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         help="how long each call to the router may take (more than 0); default 5",
     )
     args = parse(parser, argv)
-    router = args.url.rstrip("/")
-    parts = urlsplit(router)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    router = _router_url(args.url)
+    if router is None:
         parser.error(f"--url: expected http(s)://host:port, got {args.url!r}")
     try:
         result, note = snapshot(router, args.admin_token, args.timeout)

@@ -127,6 +127,30 @@ def marked(mark: str) -> list[int]:
             "pd-router: error: argument --stall-timeout: must be a number of seconds >= 0",
         ),
         (
+            # int() and float() take these as 10 and 4: a number is written in ASCII digits.
+            [*ENGINES, "--workers", "1_0"],
+            {},
+            "pd-router: error: argument --workers: must be a whole number >= 1 and <= 64, "
+            "got '1_0'",
+        ),
+        (
+            [*ENGINES, "--decode-slots", "\u0664"],
+            {},
+            "pd-router: error: argument --decode-slots: must be a whole number >= 1",
+        ),
+        (
+            [*ENGINES],
+            {"PD_ROUTER_QUEUE_TIMEOUT": "1_0"},
+            "pd-router: error: PD_ROUTER_QUEUE_TIMEOUT: must be a number of seconds >= 0",
+        ),
+        (
+            # An empty address is every interface's: a template's unset variable.
+            [*ENGINES, "--host", ""],
+            {},
+            "pd-router: error: argument --host: must be an address or name to listen on "
+            "(0.0.0.0: every interface), got ''",
+        ),
+        (
             ["demo", "--ttft", "-1"],
             {},
             "pd-router demo: error: argument --ttft: must be a number of seconds >= 0, got '-1'",
@@ -170,6 +194,11 @@ def marked(mark: str) -> list[int]:
         (
             ["demo", "--decode-dns", "decode.ns:8200"],
             {},
+            "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
+        ),
+        (
+            ["demo", "--port", "0"],
+            {"PD_ROUTER_PREFILL_DNS": "prefill.ns:8100"},
             "pd-router demo: error: the demo starts its own engines: --prefill and --decode",
         ),
         (
@@ -302,11 +331,15 @@ def test_a_setting_the_demos_router_refuses_is_one_line(flags: list[str]) -> Non
         ),
         (["--bootstrap-port", "0"], "argument --bootstrap-port: must be a whole number from 1"),
         (
+            ["--bootstrap-port", "65536"],
+            "argument --bootstrap-port: must be a whole number from 1 to 65535, got '65536'",
+        ),
+        (
             ["--prefill", "http://127.0.0.1:9,bootstrap_port=x"],
             "bootstrap_port must be a port number, got 'x'",
         ),
     ],
-    ids=["local-prefill", "port", "label"],
+    ids=["local-prefill", "port", "port-above", "label"],
 )
 def test_sglang_settings_that_cannot_work_are_refused_at_start(flags: list[str], said: str) -> None:
     assert said in refusal(run(*ENGINES, *flags))
@@ -756,3 +789,29 @@ pd_router_node_slots_in_use{{{labels}}} 0.0
     for snapshot in (from_metrics(metrics), from_admin(admin)):
         row = format_table(snapshot, "http://r").splitlines()[-1].split()
         assert (row[1], row[3]) == ("prefill", "0/1")
+
+
+def test_the_readmes_table_documents_every_flag_with_the_default_help_shows() -> None:
+    """README's table of flags is the operator's reference: a default changed in the code
+    and not there (or the other way round), or a flag it leaves out, is caught here."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = lines.index("| flag | default | meaning |")
+    documented: dict[str, str] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| `-"):
+            break
+        flag, default = (cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:3])
+        documented[flag.strip("`").split()[0].rstrip("`")] = default
+    shown: dict[str, str | None] = {}
+    for invocation, text in help_entries().items():
+        default = re.search(r"\(default: ([^()]*)\)$", text)
+        shown[invocation.split()[0].rstrip(",")] = default[1] if default else None
+    del shown["-h"], shown["--version"]
+    assert sorted(shown) == sorted(documented)
+    for flag, default in shown.items():
+        if flag == "--config":
+            assert documented[flag] == "`PD_ROUTER_CONFIG`, else unset"
+        elif default is None:
+            assert documented[flag].startswith(("unset", "required, unless")), flag
+        else:
+            assert documented[flag] == default, flag

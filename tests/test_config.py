@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_router.config import options_of
 from pd_router.fleet.nodes import NodeSpec
 from pd_router.serve import build_router, parse_router_args, router_parser
 
@@ -84,6 +85,9 @@ def test_switches_and_strings_from_each_source(tmp_path: Path) -> None:
     assert args.access_log is True and args.admin_token == "from-file"
     # An empty variable is unset, not an empty token.
     assert parse(NODES, {"PD_ROUTER_ADMIN_TOKEN": ""}).admin_token is None
+    # As a template may render a boolean (Ansible's True): a switch's word in any case.
+    assert parse(NODES, {"PD_ROUTER_ACCESS_LOG": "True"}).access_log is True
+    assert parse(NODES, {"PD_ROUTER_ACCESS_LOG": "OFF"}).access_log is False
 
 
 def test_nodes_from_file_with_slots_and_labels(tmp_path: Path) -> None:
@@ -207,6 +211,7 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
             "decode_slots: must be a whole number >= 1 and <= 1000000, got '4.0'",
         ),
         ("host = 1\n", "host: expected a string, got 1"),
+        ('host = ""\n', "host: must be an address or name to listen on"),
         ('log_level = "loud"\n', "log_level: expected one of debug, info, warning, error"),
         # A token is never repeated, even one written as a number.
         ("admin_token = 1234\n", "admin_token: expected a string, got a number"),
@@ -220,6 +225,10 @@ def test_unknown_environment_variable_is_refused(capsys: pytest.CaptureFixture[s
         ("decode = 8200\n", "decode: expected a URL or a table"),
         ('decode = ["d0:8200"]\n', "decode[0]: 'd0:8200': expected an http(s)://host:port URL"),
         ("[[decode]]\nurl = 'http://d0:8200'\nslots = 0\n", "decode[0].slots: expected a whole"),
+        (
+            "[[decode]]\nurl = 'http://d0:8200'\nslots = true\n",
+            "decode[0].slots: expected a whole number from 1 to 1000000, got True",
+        ),
         ("[[decode]]\nurl = 'http://d0:8200,slots=2'\n", "decode[0].url: "),
         ("[[decode]]\nslots = 2\n", "decode[0].url: expected a URL string"),
         ("[[prefill]]\nurl = 'http://p:1'\nlabels = { n = 3 }\n", "prefill[0].labels: label 'n'"),
@@ -489,3 +498,61 @@ def test_prefill_policy_from_each_source(
     assert (
         "PD_ROUTER_PREFILL_POLICY: expected one of prefix, cost, least_loaded, round_robin" in error
     )
+
+
+def test_the_config_flag_is_over_the_config_variable(tmp_path: Path) -> None:
+    """``--config`` names the file even when ``PD_ROUTER_CONFIG`` names another: the command
+    line wins here as for every other setting."""
+    flagged, exported = tmp_path / "flag.toml", tmp_path / "env.toml"
+    flagged.write_text("queue_timeout = 7\n")
+    exported.write_text("queue_timeout = 9\n")
+    env = {"PD_ROUTER_CONFIG": str(exported)}
+    assert parse([*NODES, "--config", str(flagged)], env).queue_timeout == 7.0
+    assert parse(NODES, env).queue_timeout == 9.0
+
+
+# Numeric flags whose 0 means something (README: fail fast, no limit, off, any free port,
+# always disaggregate) take it; those whose 0 could never work are refused at start.
+ZERO_TAKEN = [
+    "--port",
+    "--queue-timeout",
+    "--max-local-prefill",
+    "--handoff-grace",
+    "--header-timeout",
+    "--body-timeout",
+    "--send-timeout",
+    "--idle-timeout",
+    "--health-interval",
+    "--stall-timeout",
+    "--discovery-drain-timeout",
+    "--shutdown-timeout",
+]
+ZERO_REFUSED = [
+    "--decode-slots",
+    "--connect-timeout",
+    "--read-timeout",
+    "--engine-cache-tokens",
+    "--bootstrap-port",
+    "--max-body-bytes",
+    "--max-header-bytes",
+    "--max-response-bytes",
+    "--max-connections",
+    "--health-timeout",
+    "--unhealthy-after",
+    "--healthy-after",
+    "--workers",
+    "--discovery-interval",
+]
+
+
+def test_each_numeric_flag_takes_0_where_it_means_something(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    numeric = {option.flag for option in options_of(router_parser()[1]).values() if option.number}
+    assert numeric == {*ZERO_TAKEN, *ZERO_REFUSED}, "a new numeric flag: which list is it in?"
+    for flag in ZERO_TAKEN:
+        args = parse([*NODES, flag, "0"])
+        assert getattr(args, flag[2:].replace("-", "_")) == 0, flag
+    for flag in ZERO_REFUSED:
+        message = refusal(capsys, [*NODES, flag, "0"])
+        assert f"argument {flag}: must be" in message and "got '0'" in message, message

@@ -548,3 +548,94 @@ def test_a_redirect_is_an_error_and_the_token_goes_nowhere_else() -> None:
         for server in (elsewhere, redirecting):
             server.shutdown()
             server.server_close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://",
+        "https:///metrics",
+        "ftp://127.0.0.1:8000",
+        "127.0.0.1",
+        # What urllib would fail on later, with a traceback and exit code 1.
+        "http://127.0.0.1:80x",
+        "http://[::1",
+        "http://a b:80",
+    ],
+)
+def test_a_url_that_names_no_router_is_refused_in_one_line(url: str) -> None:
+    done = status("--url", url)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"pd-router status: error: --url: expected http(s)://host:port, got {url!r}\n"
+    )
+
+
+def test_a_token_for_a_router_without_the_admin_api_falls_back_to_metrics() -> None:
+    """``PD_ROUTER_ADMIN_TOKEN`` exported for another router: this one's /admin/nodes is 404
+    (--admin-token unset), and the table comes from /metrics, with a note, not an error."""
+    asked: list[tuple[str, str | None]] = []
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers.get("authorization")))
+            labels = 'node="0",url="http://d0:8200",role="decode"'
+            body, code = {
+                "/admin/nodes": (b'{"error": {"code": "admin_disabled"}}', 404),
+                "/metrics": (
+                    b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
+                    + f"pd_router_node_slots{{{labels}}} 2.0\n".encode(),
+                    200,
+                ),
+                "/health": (b'{"status": "ok"}', 200),
+            }[self.path]
+            self.send_response(code)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = status("--url", f"http://127.0.0.1:{server.server_address[1]}", token="s3cret")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        "pd-router status: the router has no admin API (--admin-token unset): showing /metrics\n"
+    )
+    assert rows(done.stdout)["http://d0:8200"][:4] == ["0", "decode", "?", "0/2"]
+    # The token went to the admin API alone.
+    assert ("/admin/nodes", "Bearer s3cret") in asked and ("/metrics", None) in asked
+
+
+def test_a_health_that_fails_otherwise_than_503_is_an_error() -> None:
+    """Only 503 is /health's "not ready": any other error status is no router's answer
+    (a proxy's 500, a path that is not there), and status fails naming it."""
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            metrics = b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
+            body = metrics if self.path == "/metrics" else b'{"status": "unavailable"}'
+            self.send_response(200 if self.path == "/metrics" else 500)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        done = status("--url", url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr.startswith(f"pd-router status: router at {url}: {url}/health answered 500")

@@ -335,3 +335,73 @@ def test_a_workers_lines_name_it(fmt: str) -> None:
         assert line["worker"] == 3 and line["status"] == 200
     else:
         assert done.stderr.rstrip().endswith("pd_router.access: worker=3 request status=200")
+
+
+STOPPING = """
+import signal
+import socket
+import sys
+from pd_router.ops import logs
+from pd_router import workers
+logs.configure("info", "text")
+code = int(sys.argv[1])
+
+def work(worker):
+    if code:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
+    # Else SIGTERM ends it as it would a worker that had not yet set up its own handling.
+    print("serving", flush=True)
+    while True:
+        signal.pause()
+
+sys.exit(workers.supervise(1, work, socket.socket()))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 5])
+def test_the_exit_status_says_whether_a_worker_failed_while_stopping(code: int) -> None:
+    """Killed by the SIGTERM passed on is a worker with nothing to drain, no failure (exit
+    0); one exiting with an error while stopping makes the supervisor's status 1."""
+    supervisor = subprocess.Popen(  # nosec B603
+        [sys.executable, "-c", STOPPING, str(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert supervisor.stdout is not None
+        assert supervisor.stdout.readline() == "serving\n"
+        supervisor.send_signal(signal.SIGTERM)
+        _, stderr = supervisor.communicate(timeout=START)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+    assert supervisor.returncode == (1 if code else 0), stderr
+    assert ("exited with code 5 while stopping" in stderr) == bool(code), stderr
+    assert "all workers exited" in stderr
+
+
+EXITING = """
+import socket
+import sys
+from pd_router import serve, workers
+workers.supervise = lambda count, work, sock: int(sys.argv[1])
+parser, actions = serve.router_parser()
+args = serve.parse_router_args(parser, actions, sys.argv[2:], {})
+serve.serve(args, serve.build_router(args), socket.socket())
+"""
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_the_routers_exit_status_is_its_workers_supervisors(code: int) -> None:
+    argv = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+    argv += ["--workers", "2", "--state", "redis://127.0.0.1:9"]
+    done = subprocess.run(  # nosec B603
+        [sys.executable, "-c", EXITING, str(code), *argv],
+        capture_output=True,
+        text=True,
+        timeout=START,
+    )
+    assert done.returncode == code, done.stderr
