@@ -105,6 +105,10 @@ class OpenAIRoute:
             if self.router.keys is not None:
                 # Before the body is read: a client without a key costs no memory either.
                 key = self.router.keys.keys.check(authorization)
+                if trace is not None:
+                    # Its name, never the key: on a request refused later (400, 413, a
+                    # shutdown) too, as its metric and log line name it.
+                    trace.root.set_attribute("pd_router.key", key.name)
             if self.router.shutting_down:
                 raise ShuttingDown("router shutting down")
             raw = await _read_body(receive, declared, self.max_body_bytes)

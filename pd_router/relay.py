@@ -166,8 +166,6 @@ class Relay:
         # The client's key (--api-keys-file); its name, never the key, is what is shown.
         self.key = key
         self.key_name = "" if key is None else key.name
-        if trace is not None and key is not None:
-            trace.root.set_attribute("pd_router.key", key.name)
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
         self.body = body

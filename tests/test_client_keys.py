@@ -300,3 +300,25 @@ def test_with_state_a_keys_limit_is_the_fleets_and_heals_when_a_router_dies(
         first.kill()
         wait_for(lambda: _served(second, CAROL), timeout=30, what="the dead router's count gone")
         holder.join(30)
+
+
+def test_a_request_refused_before_its_relay_is_logged_and_counted_under_its_key(
+    fleet: SimFleet, tmp_path: Path
+) -> None:
+    """A keyed client's request refused for its body: its line and its count name the key
+    (what an operator looks for when one client's requests are refused), never the key."""
+    with router_for(fleet, key_file(tmp_path / "keys", KEYS)) as router:
+        answer = httpx.post(
+            f"{router.url}/v1/completions",
+            content=b"{nope",
+            headers={"Authorization": f"Bearer {ALICE}", "X-Request-Id": "refused-1"},
+            timeout=30,
+        )
+        assert answer.status_code == 400
+        wait_for(lambda: "request_id=refused-1 " in router.log(), what="the request's line")
+        metrics = router.metrics()
+        log = router.log()
+    assert metrics["pd_router_requests_total{endpoint=completions,key=alice,outcome=bad_request}"]
+    (line,) = (x for x in log.splitlines() if "request_id=refused-1 " in x)
+    assert " key=alice " in line and "outcome=bad_request " in line
+    assert ALICE not in log

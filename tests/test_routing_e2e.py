@@ -62,6 +62,12 @@ def test_a_short_prompt_is_computed_by_its_decode_engine_alone() -> None:
             lines = [line for line in router.log().splitlines() if "request_id=" in line]
         assert [("local_prefill=True" in line) for line in lines] == [True, False, True]
         assert "prefill_node=None" in lines[0] and "predicted_cached=0" in lines[0]
+        # The tokens counted as predicted cached are those the lines say, where they say.
+        predicted = [int(line.split(" predicted_cached=")[1].split()[0]) for line in lines]
+        assert predicted[2] > 0
+        tokens = "pd_router_predicted_cached_tokens_total{{source=prediction,where={}}}"
+        assert metrics[tokens.format("local")] == predicted[0] + predicted[2]
+        assert metrics[tokens.format("remote")] == predicted[1]
 
 
 @pytest.mark.parametrize("policy", ["prefix", "cost"])

@@ -8,7 +8,9 @@ import os
 import subprocess  # nosec B404
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -409,3 +411,49 @@ def test_tracing_without_its_packages_says_what_to_install(setting: list[str]) -
 
 def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("PD_ROUTER_", "OTEL_"))}
+
+
+def test_a_non_streamed_answer_s_usage_and_the_service_are_on_its_spans(
+    router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
+) -> None:
+    answer = client_for(router).completions.create(
+        model="sim-model",
+        prompt="count these words for the usage please, all nine",
+        max_tokens=3,
+        extra_headers={"x-request-id": "usage-1"},
+    )
+    assert answer.usage is not None
+    usage = answer.usage
+    assert usage.prompt_tokens != usage.completion_tokens == 3
+    spans = by_name(receiver.request_trace("usage-1", 5))
+    [decode] = spans["decode"]
+    assert decode.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert decode.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    # No OTEL_SERVICE_NAME: the router names itself, not the SDK's "unknown_service".
+    assert {s.resource["service.name"] for named in spans.values() for s in named} == {"pd-router"}
+
+
+def test_a_keyed_request_s_span_names_its_key_and_never_holds_the_key(
+    sims: SimFleet, receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    secret = "sk-traced-0123456789abcdef"
+    keys = tmp_path / "keys"
+    keys.write_text(f"tracer {secret}\n")
+    prefill, decode = [e.url for e in sims.prefill], [e.url for e in sims.decode]
+    args = ["--otlp-traces-endpoint", receiver.url, "--api-keys-file", str(keys)]
+    with RouterProcess(prefill, decode, *args, env=QUICK) as keyed:
+        openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=secret, max_retries=0).completions.create(
+            model="sim-model", prompt="keyed", max_tokens=2, extra_headers={"x-request-id": "key-1"}
+        )
+        spans = receiver.request_trace("key-1", 5)
+        # Refused before its relay began (not JSON): named all the same, as its metric is.
+        headers = {"authorization": f"Bearer {secret}", "x-request-id": "key-2"}
+        refused = httpx.post(f"{keyed.url}/v1/completions", content=b"{nope", headers=headers)
+        assert refused.status_code == 400
+        [refused_root] = receiver.request_trace("key-2", 1)
+    [root] = [s for s in spans if s.name == "POST /v1/completions"]
+    assert root.attributes["pd_router.key"] == "tracer"
+    assert secret not in repr(spans)
+    assert refused_root.attributes["pd_router.outcome"] == "bad_request"
+    assert refused_root.attributes["pd_router.key"] == "tracer"
+    assert secret not in repr(refused_root)

@@ -4,6 +4,8 @@ moves by exactly what the mix implies, and every request leaves one log line."""
 from __future__ import annotations
 
 import json
+import socket
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -206,3 +208,127 @@ def test_an_engines_error_text_cannot_forge_a_log_line() -> None:
         in line
     )
     assert not any(x.startswith("2026-01-01") for x in log.splitlines())
+
+
+def test_each_histogram_times_its_own_phase_as_the_log_line_does(fleet: SimFleet) -> None:
+    """One request with a slow prefill and a slow decode: each latency histogram grows by
+    the phase it names, the same the request's log line says (a histogram fed another
+    phase's time, or a line's field another's, reads plausibly until compared)."""
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--log-format", "json") as router:
+        before = router.metrics()
+        prefill.configure(prefill_delay=0.5)
+        try:
+            # 30 tokens 0.02 s apart: the answer's end is 0.58 s or more after its start.
+            body = {**STREAM, "prompt": "phases, timed one by one"}
+            holder = RawClient(router.url, "/v1/completions", body, ["X-Request-Id: phases"])
+            assert holder.read_all().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        finally:
+            prefill.configure(prefill_delay=0)
+        wait_for(lambda: '"phases"' in router.log(), what="the request's log line")
+        after = router.metrics()
+        line = next(
+            json.loads(x) for x in router.log().splitlines() if '"request_id":"phases"' in x
+        )
+
+    def observed(histogram: str) -> float:
+        key = f"pd_router_{histogram}_seconds"
+        assert delta(after, before, f"{key}_count") == 1
+        return delta(after, before, f"{key}_sum")
+
+    phases = {
+        "queued_s": observed("queue_wait"),
+        "prefill_s": observed("prefill_duration"),
+        "ttft_s": observed("time_to_first_token"),
+        "duration_s": observed("request_duration"),
+    }
+    # The line rounds to 0.1 ms.
+    assert all(abs(line[field] - seconds) < 0.001 for field, seconds in phases.items()), (
+        line,
+        phases,
+    )
+    # What the engines took, whatever this machine's stalls added.
+    assert line["prefill_s"] >= 0.5
+    assert line["duration_s"] - line["ttft_s"] >= 0.5
+    assert line["ttft_s"] >= line["queued_s"] + line["prefill_s"]
+
+
+def test_prefix_hits_and_prefill_failures_are_counted_where_they_happened(
+    fleet: SimFleet,
+) -> None:
+    """A prompt sent twice to the one prefill node: a miss, then a hit, in the counter and
+    in the lines. Then that node fails: the failure is the prefill node's, not a decode
+    node's."""
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--log-format", "json") as router:
+        before = router.metrics()
+        url = f"{router.url}/v1/completions"
+        body = {**SHORT, "prompt": f"{uuid.uuid4()} a conversation opening only this test sends"}
+        for index in range(2):
+            headers = {"X-Request-Id": f"prefix-{index}"}
+            assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 200
+        prefill.configure(fail_status=500, fail_message="prefill exploded")
+        try:
+            assert httpx.post(url, json=SHORT, timeout=60).status_code == 500
+        finally:
+            prefill.configure(fail_status=None)
+        wait_for(
+            lambda: delta(router.metrics(), before, requests("prefill_error")) == 1,
+            what="the failed request counted",
+        )
+        after = router.metrics()
+        log = router.log()
+    picks = "pd_router_prefill_picks_total{{policy=prefix,prefix={}}}"
+    assert delta(after, before, picks.format("miss")) == 2  # the first and the failed one
+    assert delta(after, before, picks.format("hit")) == 1
+    lines = {
+        line["request_id"]: line
+        for line in map(json.loads, (x for x in log.splitlines() if x.startswith("{")))
+        if line["logger"] == "pd_router.access"
+    }
+    assert (lines["prefix-0"]["prefix_hit"], lines["prefix-1"]["prefix_hit"]) == (False, True)
+    errors = {
+        k: delta(after, before, k) for k in after if k.startswith("pd_router_upstream_errors")
+    }
+    labels = f"kind=http_5xx,node=0,role=prefill,url={prefill.url}"
+    assert {k: v for k, v in errors.items() if v} == {
+        f"pd_router_upstream_errors_total{{{labels}}}": 1
+    }
+
+
+def test_the_gauges_say_who_holds_a_slot_and_who_waits(fleet: SimFleet) -> None:
+    """While a stream holds the only slot: one in flight, one reservation not released,
+    nobody queued; a second request then waits, and the queue says so."""
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url], "--queue-timeout", "120") as router:
+        holder = RawClient(router.url, "/v1/completions", {**STREAM, "max_tokens": 2000})
+        holder.read_until(b"data: ")
+        held = router.metrics()
+        assert (held["pd_router_in_flight"], held["pd_router_queue_depth"]) == (1, 0)
+        acquired, released = (
+            held[f"pd_router_slot_{name}_total"] for name in ("acquisitions", "releases")
+        )
+        assert acquired - released == 1
+        waiter = RawClient(router.url, "/v1/completions", SHORT)
+        wait_for(lambda: router.metrics()["pd_router_queue_depth"] == 1, what="one waiter queued")
+        holder.hang_up()
+        assert b"HTTP/1.1 200" in waiter.read_until(b'"choices"')
+        router.assert_idle()
+        assert router.metrics()["pd_router_in_flight"] == 0
+
+
+def test_a_node_that_does_not_serve_says_why_in_the_metrics(fleet: SimFleet) -> None:
+    """``pd_router_node_reason``: the evidence against a node that does not serve (here,
+    nothing listens at its address), and no series for the nodes that serve."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    prefill, decode = fleet.prefill[0], fleet.decode[0]
+    with RouterProcess([prefill.url], [decode.url, nowhere]) as router:
+        reason = f"pd_router_node_reason{{node=2,reason=probe refused,role=decode,url={nowhere}}}"
+
+        def reasons() -> dict[str, float]:
+            return {k: v for k, v in router.metrics().items() if "node_reason" in k}
+
+        wait_for(lambda: reason in reasons(), what="the unreachable node's reason")
+        assert reasons() == {reason: 1}
