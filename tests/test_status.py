@@ -88,6 +88,40 @@ def status(*args: str, token: str | None = None) -> subprocess.CompletedProcess[
     )
 
 
+# What a router with no node answers on /metrics.
+EMPTY_METRICS = b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
+
+
+def status_of_stub(
+    answers: dict[str, tuple[int, bytes]], *args: str, token: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], list[tuple[str, str | None]], str]:
+    """``pd-router status`` against a stub router answering each GET path as ``answers``
+    says (status, body): the command's result, what was asked (path, Authorization) and
+    the stub's URL."""
+    asked: list[tuple[str, str | None]] = []
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append((self.path, self.headers.get("authorization")))
+            code, body = answers[self.path]
+            self.send_response(code)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        return status("--url", url, *args, token=token), asked, url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def rows(output: str) -> dict[str, list[str]]:
     """Table rows (the lines starting with a node id) by node URL, split into columns."""
     table = [line.split() for line in output.splitlines() if line[:1].isdigit()]
@@ -263,27 +297,7 @@ def test_a_router_not_ready_says_why_in_the_header() -> None:
 def test_a_503_health_of_any_shape_is_shown_not_failed_on(health: bytes, says: str) -> None:
     """Behind a proxy, /health's 503 may be the proxy's page: the nodes read from /metrics
     are shown all the same, the header saying the router is not ready."""
-
-    class Router(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            metrics = b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
-            body = metrics if self.path == "/metrics" else health
-            self.send_response(200 if self.path == "/metrics" else 503)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        done = status("--url", f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    done, _, _ = status_of_stub({"/metrics": (200, EMPTY_METRICS), "/health": (503, health)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].endswith(f"NOT READY: {says}")
 
@@ -574,36 +588,13 @@ def test_a_url_that_names_no_router_is_refused_in_one_line(url: str) -> None:
 def test_a_token_for_a_router_without_the_admin_api_falls_back_to_metrics() -> None:
     """``PD_ROUTER_ADMIN_TOKEN`` exported for another router: this one's /admin/nodes is 404
     (--admin-token unset), and the table comes from /metrics, with a note, not an error."""
-    asked: list[tuple[str, str | None]] = []
-
-    class Router(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            asked.append((self.path, self.headers.get("authorization")))
-            labels = 'node="0",url="http://d0:8200",role="decode"'
-            body, code = {
-                "/admin/nodes": (b'{"error": {"code": "admin_disabled"}}', 404),
-                "/metrics": (
-                    b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
-                    + f"pd_router_node_slots{{{labels}}} 2.0\n".encode(),
-                    200,
-                ),
-                "/health": (b'{"status": "ok"}', 200),
-            }[self.path]
-            self.send_response(code)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        done = status("--url", f"http://127.0.0.1:{server.server_address[1]}", token="s3cret")
-    finally:
-        server.shutdown()
-        server.server_close()
+    labels = 'node="0",url="http://d0:8200",role="decode"'
+    answers = {
+        "/admin/nodes": (404, b'{"error": {"code": "admin_disabled"}}'),
+        "/metrics": (200, EMPTY_METRICS + f"pd_router_node_slots{{{labels}}} 2.0\n".encode()),
+        "/health": (200, b'{"status": "ok"}'),
+    }
+    done, asked, _ = status_of_stub(answers, token="s3cret")
     assert done.returncode == 0, done.stderr
     assert done.stderr == (
         "pd-router status: the router has no admin API (--admin-token unset): showing /metrics\n"
@@ -616,26 +607,7 @@ def test_a_token_for_a_router_without_the_admin_api_falls_back_to_metrics() -> N
 def test_a_health_that_fails_otherwise_than_503_is_an_error() -> None:
     """Only 503 is /health's "not ready": any other error status is no router's answer
     (a proxy's 500, a path that is not there), and status fails naming it."""
-
-    class Router(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            metrics = b"pd_router_queue_depth 0.0\npd_router_in_flight 0.0\n"
-            body = metrics if self.path == "/metrics" else b'{"status": "unavailable"}'
-            self.send_response(200 if self.path == "/metrics" else 500)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        done = status("--url", url)
-    finally:
-        server.shutdown()
-        server.server_close()
+    answers = {"/metrics": (200, EMPTY_METRICS), "/health": (500, b'{"status": "unavailable"}')}
+    done, _, url = status_of_stub(answers)
     assert (done.returncode, done.stdout) == (1, ""), done.stderr
     assert done.stderr.startswith(f"pd-router status: router at {url}: {url}/health answered 500")
