@@ -44,10 +44,12 @@ first chunk) is. While the opening is held by fewer nodes than it had prefills a
 last ``len(nodes)`` placements (a burst of new conversations, an agent preamble's first
 sessions, a hot document's questions), a session goes only to a node with at most
 ``BURST_SLACK`` more prefills in flight than the least busy one (on the nodes holding
-the most of its prompt only those behind its opening count), and the share term copies
-the opening to more nodes as the counts require. Once it is not hot, its holders take its
-sessions, the work waiting there in the cost, and the share term may level the counts
-among them but not copy it elsewhere (a rarely asked document is computed once).
+the most of its prompt only those behind its opening count), not behind the opening's
+computation if that takes ``HOT_WAIT`` longer than computing the whole prompt on the
+least busy node, and the share term copies the opening to more nodes as the counts
+require. Once it is not hot, its holders take its sessions, the work waiting there in
+the cost, and the share term may level the counts among them but not copy it elsewhere
+(a rarely asked document is computed once).
 Ties go to the node given the fewest recent prefills, then to the node the prompt's first
 chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
 spreads new conversations alike on every router.
@@ -128,6 +130,18 @@ CONT_BAND = 2.0
 # is spread as they start (eight at once behind a new opening: two per node of four,
 # not three on each of two and none on a fourth, which no later session made up for).
 BURST_SLACK = 1
+# Nor, while its opening is hot, to queue behind the opening's computation (``_soon``)
+# where its prefill would be done later than (1 + HOT_WAIT) x computing the whole
+# prompt on the least busy node, in tokens of work: a session placed a moment after
+# another behind it waits for all of it, then its own part. That saves a copy of the
+# opening, worth it for a document's question (1,000 tokens, then its own 30 and a
+# prefill's PREFILL_TOKENS: 6% later than computing them all on an idle node), not for
+# a new conversation's first turn (400 tokens, then its own 42: 17% later). Each node's
+# first session computes the opening alone under any policy that uses every node, round
+# robin included, so those pairs were the first wave's slowest requests:
+# ``route_replay.py --rtt 0.008`` gave completions a TTFT p99 above round_robin's on 11
+# of 16 seeds (up to 1.06 x) and chat on 8, with the bound on none.
+HOT_WAIT = 0.1
 # Prefix keys whose last node this router remembers (for ``hit`` in logs and metrics):
 # ~100 bytes each, so ~1.6 MB at most.
 RECENT_KEYS = 16384
@@ -375,6 +389,13 @@ class Cost(Prefix):
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
         inflight = self._inflight
         depth = max(helds)
+        uncached = [
+            max(prompt.tokens - view.cached(node.id, prompt, held), 0)
+            for node, held in zip(live, helds)
+        ]
+        queued = [
+            waiting.get(node.id, 0) + PREFILL_TOKENS * inflight.get(node.id, 0) for node in live
+        ]
         # Whether the share term may pull the prompt to a node (a continuation: never);
         # for a new session behind an opening that is not hot, the least it may cost a
         # node not holding the most of the prompt: the most it costs a holder, so that
@@ -391,7 +412,9 @@ class Cost(Prefix):
             band = SHARE_SLACK * mean + SHARE_BAND
             if self._hot(chunks, helds, depth):
                 least = min(inflight.get(node.id, 0) for node in live)
-                keep = self._bounded(live, helds, chunks[0] if chunks else 0, least + BURST_SLACK)
+                first = chunks[0] if chunks else 0
+                keep = self._bounded(live, helds, first, least + BURST_SLACK)
+                keep = self._soon(live, keep, first, uncached, queued, prompt.tokens)
             else:
                 keep = list(range(len(live)))
                 floor = max(
@@ -399,19 +422,17 @@ class Cost(Prefix):
                     for node, held in zip(live, helds)
                     if held == depth
                 )
-        live, helds = [live[i] for i in keep], [helds[i] for i in keep]
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
-        for node, held in zip(live, helds):
-            uncached = max(prompt.tokens - view.cached(node.id, prompt, held), 0)
+        for i in keep:
+            node, held = live[i], helds[i]
             share = _beyond(counts.get(node.id, 0) - mean, band) * weight
             if not pull:
                 share = max(share, 0.0)
             elif floor is not None and held < depth:
                 share = max(share, floor)
-            queued = waiting.get(node.id, 0) + PREFILL_TOKENS * inflight.get(node.id, 0)
-            cost = MISS_WEIGHT * uncached + queued + share
+            cost = MISS_WEIGHT * uncached[i] + queued[i] + share
             if not best or cost < best_cost:
                 best, best_cost, deepest = [node], cost, held
             elif cost == best_cost:
@@ -464,6 +485,32 @@ class Cost(Prefix):
                 else inflight.get(node.id, 0)
             )
             <= limit
+        ]
+
+    def _soon(
+        self,
+        live: list[Node],
+        keep: list[int],
+        first: int,
+        uncached: list[int],
+        queued: list[int],
+        tokens: int,
+    ) -> list[int]:
+        """Of the nodes ``keep`` indexes, those where a new session behind a hot opening
+        would not queue behind the opening's computation (prefills behind its first chunk
+        in flight there) to have its prefill done more than ``HOT_WAIT`` later than
+        computing the whole prompt on the least busy of them would (what it would compute
+        there, and the work waiting there). A node computing other prompts qualifies
+        whatever it has waiting: that work is in the cost, and leaving the holder of a hot
+        document for it copies the document (the RAG shape's share of the ceiling fell
+        from 96.7% to 93.3-95.0% in ``routing_bench.py`` when they were left too). The
+        least busy node always qualifies: it computes at most the whole prompt."""
+        behind = self._behind
+        fresh = (1 + HOT_WAIT) * (tokens + min(queued[i] for i in keep))
+        return [
+            i
+            for i in keep
+            if uncached[i] + queued[i] <= fresh or not behind.get((live[i].id, first), 0)
         ]
 
     def _continues(self, node_id: int, held: int, chunks: list[int]) -> bool:

@@ -10,9 +10,16 @@ from collections import Counter
 import pytest
 
 from pd_router.fleet import prefill
-from pd_router.fleet.holdings import CHUNK_BYTES, describe
+from pd_router.fleet.holdings import CHUNK_BYTES, Prompt, describe
 from pd_router.fleet.nodes import Node, State, make_nodes
-from pd_router.fleet.prefill import LOAD_FACTOR, MISS_WEIGHT, RECENT_PER_NODE, Cost
+from pd_router.fleet.prefill import (
+    HOT_WAIT,
+    LOAD_FACTOR,
+    MISS_WEIGHT,
+    PREFILL_TOKENS,
+    RECENT_PER_NODE,
+    Cost,
+)
 
 # A shared opening far longer than any fixed cut, then each conversation's own turns.
 OPENING = "Instructions for the agent, to follow to the letter. " * 160
@@ -117,6 +124,43 @@ def test_a_burst_of_new_conversations_behind_one_opening_is_bounded_per_node() -
         policy.place(node, 0, prompt)
         inflight[node.id] += 1
     assert max(inflight.values()) <= 3, inflight
+
+
+def test_a_new_session_does_not_queue_behind_a_hot_opening_if_computing_it_is_sooner() -> None:
+    """A burst of new conversations behind a 400-token opening no node held, nothing
+    released: the first two share a node (the second waits for the opening there), the
+    third goes to another node (the burst bound), which computes the opening again. The
+    fourth would wait there for the whole opening, then its own 40 words and a prefill's
+    PREFILL_TOKENS: more than HOT_WAIT later than computing it all on an idle node, so
+    it goes to an idle node. Before, the burst bound let it pair with the third (one more
+    in flight than the least busy node), each node's second session a moment after its
+    first, the first wave's slowest requests: the completions shape's TTFT p99 was 1.06 x
+    round_robin's. Questions on a 1,000-token document, whose own part is short beside
+    it, pair all the same: waiting for the document is sooner than computing a copy."""
+
+    def first_turn(opening: str, conversation: int, words: int) -> Prompt:
+        own = " ".join(f"w{conversation}.{word}" for word in range(words))
+        return describe({"model": "m", "prompt": opening + own})
+
+    for opening_words, own_words, pairs in ((400, 40, False), (1000, 7, True)):
+        opening = "".join(f"op{word} " for word in range(opening_words))
+        policy = Cost(prefill_nodes(4))
+        placed = []
+        for conversation in range(3):
+            prompt = first_turn(opening, conversation, own_words)
+            node = policy.pick(0, prompt=prompt)
+            assert node is not None
+            policy.place(node, 0, prompt)
+            placed.append(node)
+        assert placed[0] is placed[1] is not placed[2], "paired, then the burst bound"
+        third = placed[2]
+        fourth = first_turn(opening, 3, own_words)
+        held = policy.view.of(third.id).held(fourth.chunks)
+        there = fourth.tokens - fourth.cached(held) + policy.waiting[third.id] + PREFILL_TOKENS
+        assert (there > (1 + HOT_WAIT) * fourth.tokens) is not pairs, there / fourth.tokens
+        node = policy.pick(0, prompt=fourth)
+        assert (node is third) is pairs
+        assert node is not placed[0]
 
 
 def test_a_later_turn_is_not_moved_by_counts_a_new_conversation_avoids() -> None:
@@ -383,6 +427,13 @@ def test_a_hot_documents_holder_busy_with_other_prompts_still_takes_its_question
     held = policy.view.of(home.id).held(ask.chunks)
     assert held == 20 < len(ask.chunks)
     assert policy.waiting[home.id] < MISS_WEIGHT * ask.cached(held)
+    assert policy.pick(0, prompt=ask) is home
+    # Nor does it leave for an idle node when more than HOT_WAIT x the whole prompt waits
+    # there, short of what computing the document again costs: that is other prompts'
+    # work, not the document's computation, which only a session behind it waits for.
+    policy.waiting[home.id] = int((1 + HOT_WAIT) * ask.tokens) + 100
+    queued = policy.waiting[home.id] + PREFILL_TOKENS * len(busy)
+    assert MISS_WEIGHT * (ask.tokens - ask.cached(held)) + queued < MISS_WEIGHT * ask.tokens
     assert policy.pick(0, prompt=ask) is home
 
 
