@@ -171,6 +171,13 @@ class Relay:
         self.body = body
         # Validated: a non-empty string (``edge/validation.py``).
         self.model: str = body["model"]
+        # SGLang's dialect: the sequences a batch asks for, one room each (bounded here,
+        # before anything is admitted).
+        self._sequences = (
+            bootstrap.sequences(body, endpoint == "chat")
+            if router.settings.dialect == "sglang"
+            else None
+        )
         self.request_id = router.fleet.admit(request_id, self)
         self.stream = bool(body.get("stream"))
         self.client_gone = False
@@ -426,7 +433,7 @@ class Relay:
             self.body,
             bootstrap.host_of(node.url),
             bootstrap.port(node.labels, self.router.settings.bootstrap_port),
-            bootstrap.sequences(self.body, self.endpoint == "chat"),
+            self._sequences,
         )
         failed: list[UpstreamError] = []
         placed = [self._place(node, binding, key, prompt)]

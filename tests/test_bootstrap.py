@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from pd_router.engines import bootstrap
-from pd_router.errors import Evidence, UpstreamError
+from pd_router.errors import BadRequest, Evidence, UpstreamError
 from pd_router.fleet.nodes import Failure, State
 from pd_router.fleet.prefill import POLICIES, Cost
 from pd_router.relay import Relay, Router
@@ -55,6 +55,24 @@ def test_a_batch_gets_one_room_per_sequence() -> None:
     sent = bootstrap.request(prompts, "h", 9, batch=3)
     assert sent["bootstrap_host"] == ["h"] * 3 and sent["bootstrap_port"] == [9] * 3
     assert len(set(sent["bootstrap_room"])) == 3
+
+
+def test_a_batch_of_more_sequences_than_the_bound_is_the_clients_error() -> None:
+    """Each sequence gets a room, and both engines three lists as long: a chat's ``n`` of
+    10^8, one short line, would take the router's memory. At the bound it is served."""
+    limit = bootstrap.MAX_SEQUENCES
+    assert bootstrap.sequences({"messages": [], "n": limit}, chat=True) == limit
+    prompts = {**BODY, "prompt": ["a"] * limit}
+    assert bootstrap.sequences(prompts, chat=False) == limit
+    for body, chat, param in (
+        ({"messages": [], "n": 10**8}, True, "n"),
+        ({**BODY, "prompt": [""] * (limit + 1)}, False, "prompt"),
+        ({**BODY, "prompt": [[1]] * (limit + 1)}, False, "prompt"),
+    ):
+        with pytest.raises(BadRequest) as refused:
+            bootstrap.sequences(body, chat=chat)
+        assert refused.value.status == 400 and refused.value.param == param
+        assert f"at most {limit} sequences" in str(refused.value)
 
 
 def test_an_ipv6_host_is_bracketed_as_sglang_dials_it() -> None:

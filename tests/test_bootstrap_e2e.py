@@ -68,6 +68,39 @@ def test_completions_and_chat_are_served_by_both_engines_at_once(fleet: SimFleet
         assert metrics["pd_router_requests_total{endpoint=chat,outcome=ok}"] == 1
 
 
+def test_a_request_for_more_sequences_than_rooms_are_given_is_refused_and_nothing_else(
+    fleet: SimFleet,
+) -> None:
+    """A chat's ``n`` of 10^8 (one short line: before, the router built three lists of
+    10^8 for each engine, and ran out of memory) and a batch of 1,025 prompts: a 400 with
+    OpenAI's error body, at once; no engine heard of them, and the next request is
+    served."""
+    fleet.reset()
+    with router_for(fleet) as router:
+        client = client_for(router)
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=2,
+                n=10**8,
+            )
+        assert time.monotonic() - started < 10
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "n", error
+        assert "at most 1024 sequences" in error["message"]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="sim-model", prompt=["a b"] * 1025, max_tokens=1)
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "prompt"
+        assert fleet.prefill[0].stats()["requests"] == 0
+        answer = client.completions.create(model="sim-model", prompt="a b", max_tokens=2)
+        assert answer.choices[0].text == " a b"
+        router.assert_idle()
+        metrics = router.metrics()
+        assert metrics["pd_router_requests_total{endpoint=chat,outcome=bad_request}"] == 1
+
+
 def test_a_failing_prefill_fails_its_request_at_once_not_at_the_decode_timeout(
     fleet: SimFleet,
 ) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from pd_router.errors import BadRequest
 from pd_router.fleet.nodes import BOOTSTRAP_PORT
 
 # SGLang's ``--disaggregation-bootstrap-port`` default.
@@ -23,6 +24,12 @@ DEFAULT_PORT = 8998
 # between two requests in flight anywhere in the fleet is out of the question.
 ROOM_BITS = 63
 FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# The most sequences one request may ask for: each gets a room of its own, and both
+# engines get three lists of that length. Nothing else bounds a chat's ``n``: 10^6 of
+# them held the router's event loop ~2 s and sent each engine 26 MB, 10^8 would take its
+# memory; a batch of prompts is bounded by the body's size only (``[""]`` x 3 million in
+# 10 MB). OpenAI's API takes an ``n`` of at most 128.
+MAX_SEQUENCES = 1024
 
 
 def host_of(url: str) -> str:
@@ -41,14 +48,25 @@ def port(labels: Mapping[str, str], default: int) -> int:
 
 def sequences(body: dict[str, Any], chat: bool) -> int | None:
     """How many sequences the request asks for when it is a batch (a list of prompts, or a
-    chat's ``n`` over 1), else None: a batch gets one room per sequence. A validated body."""
+    chat's ``n`` over 1), else None: a batch gets one room per sequence. A validated body;
+    over ``MAX_SEQUENCES`` is the client's error."""
+    count = None
     if chat:
         n = body.get("n")
-        return n if isinstance(n, int) and n > 1 else None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        return len(prompt)
-    return None
+        if isinstance(n, int) and n > 1:
+            count = n
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            count = len(prompt)
+    if count is not None and count > MAX_SEQUENCES:
+        param, what = ("n", "'n'") if chat else ("prompt", "a batch of prompts")
+        raise BadRequest(
+            f"{what} may ask for at most {MAX_SEQUENCES} sequences with SGLang's engines "
+            f"(each gets a bootstrap room of its own), got {count}",
+            param=param,
+        )
+    return count
 
 
 def request(body: dict[str, Any], host: str, port: int, batch: int | None = None) -> dict[str, Any]:
