@@ -209,7 +209,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--install-vllm-router", action="store_true")
     parser.add_argument("--no-vllm-router", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument(
+        "--logs",
+        metavar="DIR",
+        help="keep each pd-router's log in DIR (CONFIG.log, a request's line each, JSON)",
+    )
     args = parser.parse_args(argv)
+    if args.logs is not None:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
     configs = set(args.configs) | {CEILING}
     executable = None
     if CACHE_AWARE in configs and not args.no_vllm_router:
@@ -240,26 +247,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         urls = [engine.url for engine in prefill]
         decode_urls = [engine.url for engine in decode]
 
-        def router(prefill_urls: list[str], *extra: str) -> RouterProcess:
-            process = RouterProcess(prefill_urls, decode_urls, *extra)
-            process.extra_args += ROUTER_ARGS
-            return process
+        def router(name: str, prefill_urls: list[str], *extra: str) -> RouterProcess:
+            if args.logs is None:
+                return RouterProcess(prefill_urls, decode_urls, *extra, *ROUTER_ARGS)
+            logged = [*ROUTER_ARGS, "--log-level", "info", "--log-format", "json"]
+            log = Path(args.logs) / f"{name}.log"
+            return RouterProcess(prefill_urls, decode_urls, *extra, *logged, log_path=log)
 
         cache_tokens = str(args.cache_blocks * BLOCK)
         cost = ["--prefill-policy", "cost", "--engine-cache-tokens", cache_tokens]
         # name: (label, its routers, the prefill engines it sends to)
         setups: dict[str, tuple[str, list[ServerProcess], list[EngineProcess]]] = {}
         if COST in configs:
-            setups[COST] = ("cost", [router(urls, *cost)], prefill)
+            setups[COST] = ("cost", [router(COST, urls, *cost)], prefill)
         if LOCAL in configs:
-            local = [router(urls, *cost, "--max-local-prefill", str(args.local))]
+            local = [router(LOCAL, urls, *cost, "--max-local-prefill", str(args.local))]
             setups[LOCAL] = (f"cost, --max-local-prefill {args.local}", local, prefill)
         if PREFIX in configs:
-            setups[PREFIX] = ("prefix", [router(urls, "--prefill-policy", "prefix")], prefill)
+            setups[PREFIX] = (
+                "prefix",
+                [router(PREFIX, urls, "--prefill-policy", "prefix")],
+                prefill,
+            )
         if ROUND_ROBIN in configs:
             setups[ROUND_ROBIN] = (
                 "round_robin",
-                [router(urls, "--prefill-policy", "round_robin")],
+                [router(ROUND_ROBIN, urls, "--prefill-policy", "round_robin")],
                 prefill,
             )
         if executable is not None:
@@ -268,10 +281,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if PAIR in configs:
             redis = stack.enter_context(RedisServer())
             pair: list[ServerProcess] = [
-                router(urls, *cost, "--state", redis.url) for _ in range(2)
+                router(f"{PAIR}-{index}", urls, *cost, "--state", redis.url) for index in range(2)
             ]
             setups[PAIR] = ("cost, 2 routers, --state", pair, prefill)
-        ceiling = router([single.url], "--prefill-policy", "round_robin")
+        ceiling = router(CEILING, [single.url], "--prefill-policy", "round_robin")
         setups[CEILING] = ("1 node, unbounded cache", [ceiling], [single])
         processes: list[ServerProcess] = [*prefill, single, *decode]
         processes += [process for _, routers, _ in setups.values() for process in routers]

@@ -290,8 +290,11 @@ class RouterProcess(ServerProcess):
         decode: Sequence[str],
         *args: str,
         env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
     ) -> None:
-        super().__init__(["--prefill", *prefill, "--decode", *decode, *args], env=env)
+        super().__init__(
+            ["--prefill", *prefill, "--decode", *decode, *args], env=env, log_path=log_path
+        )
 
     def command(self) -> list[str]:
         argv = [sys.executable, "-m", "pd_router", "--host", _HOST, "--port", str(self.port)]
