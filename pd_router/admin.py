@@ -18,7 +18,14 @@ from pd_router.edge.auth import bearer
 from pd_router.engines import bootstrap
 from pd_router.errors import Aborted, StateUnavailable, Unauthorized
 from pd_router.fleet.membership import Conflict, LocalMembership, Membership
-from pd_router.fleet.nodes import MAX_SLOTS, Node, State, check_labels, normalise_url
+from pd_router.fleet.nodes import (
+    MAX_SLOTS,
+    Node,
+    State,
+    check_labels,
+    normalise_url,
+    whole,
+)
 from pd_router.fleet.registry import Fleet
 from pd_router.relay import Relay, Router
 from pd_router.shared.abort import Outcome, RemoteAborts
@@ -126,10 +133,8 @@ def admin_routes(
     def find(request: Request) -> Node | None:
         # The id as /admin/nodes shows it: int() would also take "1_0", " 1" or other
         # scripts' digits, and act on a node the path does not name.
-        node_id = request.path_params["node_id"]
-        if not (node_id.isascii() and node_id.isdigit()):
-            return None
-        return fleet.node(int(node_id))
+        node_id = whole(request.path_params["node_id"])
+        return None if node_id is None else fleet.node(node_id)
 
     async def list_nodes(request: Request) -> Response:
         nodes = [node_view(node, fleet, shown_port) for node in fleet.nodes]

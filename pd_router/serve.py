@@ -50,7 +50,14 @@ from pd_router.engines import bootstrap
 from pd_router.engines.client import MAX_RESPONSE_BYTES, Upstream, engine_tls, no_pass_phrase
 from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
-from pd_router.fleet.nodes import BOOTSTRAP_PORT, MAX_SLOTS, HealthPolicy, Node, make_nodes
+from pd_router.fleet.nodes import (
+    BOOTSTRAP_PORT,
+    MAX_SLOTS,
+    HealthPolicy,
+    Node,
+    make_nodes,
+    whole,
+)
 from pd_router.fleet.pool import DecodePool
 from pd_router.fleet.prefill import DEFAULT_POLICY, POLICIES
 from pd_router.fleet.registry import Fleet
@@ -87,9 +94,8 @@ def _whole(low: int, high: int | None, rule: str) -> Callable[[str], int]:
 
     @config.reads_number
     def convert(text: str) -> int:
-        # ASCII digits only: int() also reads "1_0", " 8" and other scripts' digits.
-        value = int(text) if text.isascii() and text.isdigit() else low - 1
-        if value < low or (high is not None and value > high):
+        value = whole(text)
+        if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
         return value
 

@@ -134,6 +134,13 @@ def marked(mark: str) -> list[int]:
             "got '1_0'",
         ),
         (
+            # More digits than int() reads: argparse's "invalid convert value", before.
+            [*ENGINES, "--workers", "0" * 5000 + "1"],
+            {},
+            "pd-router: error: argument --workers: must be a whole number >= 1 and <= 64, "
+            f"got '{'0' * 5000}1'",
+        ),
+        (
             [*ENGINES, "--decode-slots", "\u0664"],
             {},
             "pd-router: error: argument --decode-slots: must be a whole number >= 1",

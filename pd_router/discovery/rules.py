@@ -37,6 +37,7 @@ from pd_router.fleet.nodes import (
     normalise_url,
     parse_port,
     parse_slots,
+    whole,
 )
 
 Outcome = Literal["ok", "empty", "failed"]
@@ -130,9 +131,8 @@ def _target(target: str, text: str) -> tuple[str, int | None]:
         return name, None
     if not colon:
         raise ValueError(f"{text!r}: the port is missing: NAME:PORT (an SRV name starts with _)")
-    # ASCII digits only, as every other port given: int() takes "8_200", "+8200", " 8200"
-    # and other scripts' digits.
-    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
+    # ASCII digits only, as every other port given (``whole``).
+    port = whole(port_text) or 0
     if not 1 <= port <= 65535:
         raise ValueError(f"{text!r}: the port must be a whole number from 1 to 65535")
     return name, port

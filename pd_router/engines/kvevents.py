@@ -27,7 +27,7 @@ import msgpack  # type: ignore[import-untyped]
 import zmq
 
 from pd_router.fleet.kvevents import DEGRADED, DISCONNECTED, EventStreams, decode
-from pd_router.fleet.nodes import KV_EVENTS, Node
+from pd_router.fleet.nodes import KV_EVENTS, Node, whole
 from pd_router.ops.ticks import sleep_to_tick
 
 log = logging.getLogger("pd_router.kvevents")
@@ -64,8 +64,9 @@ Item = list[bytes] | str
 
 
 def endpoint_of(node: Node) -> str | None:
-    port = node.labels.get(KV_EVENTS)
-    if port is None or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    label = node.labels.get(KV_EVENTS)
+    port = None if label is None else whole(label)
+    if port is None or not 0 < port < 65536:
         return None
     host = urlsplit(node.url).hostname or "127.0.0.1"
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

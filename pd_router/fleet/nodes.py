@@ -230,6 +230,8 @@ def check_labels(labels: object) -> dict[str, str]:
 # hundreds), and below what the shared pool's scripts count in (10^15 was accepted, and
 # with --state no request could use the node).
 MAX_SLOTS = 1_000_000
+# Digits of a number an operator writes (``whole``): more than any port, count or id.
+MAX_DIGITS = 18
 
 # The label naming the port an engine publishes its KV cache events on (vLLM's
 # ``--kv-events-config`` ZMQ endpoint), on the host of its URL: ``,kv_events=5557``.
@@ -264,10 +266,20 @@ def parse_spec(spec: str) -> NodeSpec:
     return NodeSpec(normalise_url(url, spec), slots, labels)
 
 
+def whole(text: str) -> int | None:
+    """``text`` as a whole number, if it is ASCII digits only and at most ``MAX_DIGITS`` of
+    them (a port, a count of slots, a node id, a flag's number as an operator writes it);
+    else None. int() also reads "1_0", " 8", "+8" and other scripts' digits, str.isdigit()
+    passes "²" (which int() refuses), and int() refuses over 4,300 digits with a
+    ValueError no caller expected: an admin path's node id of 5,000 digits was a 500."""
+    if text.isascii() and text.isdigit() and len(text) <= MAX_DIGITS:
+        return int(text)
+    return None
+
+
 def parse_port(value: str, spec: str, name: str = KV_EVENTS) -> int:
     """The ``PORT`` of a ``NAME=PORT`` option of ``spec`` (``PORT_LABELS``)."""
-    # ASCII digits only: int() reads other scripts' digits, and "²" passed isdigit().
-    port = int(value) if value.isascii() and value.isdigit() else 0
+    port = whole(value) or 0
     if not 0 < port < 65536:
         raise ValueError(f"{spec!r}: {name} must be a port number, got {value!r}")
     return port
@@ -275,9 +287,10 @@ def parse_port(value: str, spec: str, name: str = KV_EVENTS) -> int:
 
 def parse_slots(value: str, spec: str) -> int:
     """The ``N`` of a ``slots=N`` option of ``spec``."""
-    if not (value.isascii() and value.isdigit()):
+    slots = whole(value)
+    if slots is None:
         raise ValueError(f"{spec!r}: slots must be a whole number, got {value!r}")
-    return checked_slots(int(value), spec)
+    return checked_slots(slots, spec)
 
 
 def checked_slots(slots: int, spec: str) -> int:

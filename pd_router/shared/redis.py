@@ -53,6 +53,7 @@ from urllib.parse import quote, unquote, urlsplit
 import anyio
 from anyio.abc import ByteStream, SocketAttribute
 
+from pd_router.fleet.nodes import whole
 from pd_router.shared import resp
 
 DEFAULT_PORT = 6379
@@ -146,7 +147,8 @@ def parse_url(url: str) -> Settings:
     if not port:
         raise ValueError(f"a Redis port is a number from 1 to 65535 ({host_port!r})")
     path = parts.path.removeprefix("/")
-    if path and not (path.isascii() and path.isdigit()):
+    db = whole(path) if path else 0
+    if db is None:
         raise ValueError(f"a Redis URL's path is a database number (/0, /1...), not /{path}")
     password = unquote(parts.password) if parts.password else None
     username = unquote(parts.username) if parts.username else None
@@ -155,7 +157,7 @@ def parse_url(url: str) -> Settings:
     return Settings(
         host=parts.hostname,
         port=port,
-        db=int(path or 0),
+        db=db,
         username=username,
         password=password,
         tls=scheme == "rediss",

@@ -98,6 +98,10 @@ def test_specs(
         ("d:1,slots=1000001", "slots must be at most 1000000"),
         ("d:1,slots=٣", "slots must be a whole number"),
         ("d:1,kv_events=²", "kv_events must be a port number"),
+        # More digits than int() reads: its own ValueError, which said so, before.
+        ("d:" + "0" * 5000 + "1", "the port must be a whole number from 1 to 65535"),
+        ("d:1,slots=" + "0" * 5000 + "1", "slots must be a whole number"),
+        ("d:1,kv_events=" + "0" * 5000 + "1", "kv_events must be a port number"),
         ("d:1,slot=4", "unknown option 'slot' (did you mean slots?)"),
         ("d:1,zone", "expected KEY=VALUE options"),
         ("d:1,a b=c", "label name 'a b'"),

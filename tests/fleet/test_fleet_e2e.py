@@ -351,6 +351,9 @@ def test_admin_refuses_what_it_cannot_do_and_changes_nothing(fleet: SimFleet) ->
             ("POST", f"/nodes/0_{serving}/drain"),
             ("POST", f"/nodes/%20{serving}/drain"),
             ("POST", f"/nodes/{other_digits}/drain"),
+            # More digits than int() reads (4,300): a ValueError, a 500, before.
+            ("POST", f"/nodes/{'0' * 5000}{serving}/drain"),
+            ("DELETE", f"/nodes/{'9' * 5000}"),
             ("POST", "/requests/nobody/abort"),
         ):
             answer = admin(router, method, path)

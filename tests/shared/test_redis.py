@@ -79,6 +79,8 @@ def test_parse_url() -> None:
         ("redis://:pw@host:port", r"from 1 to 65535 \('host:port'\)"),
         ("redis://:pw@host:0", r"from 1 to 65535 \('host:0'\)"),
         ("redis://:pw@host/zero", "a database number"),
+        # More digits than int() reads: its own ValueError, which named no setting.
+        ("redis://:pw@host/" + "0" * 5000, "a database number"),
         ("redis://user@host", "needs a password"),
         # A / in the password cuts the URL there: neither piece is shown (they were).
         ("redis://user:p/w@host:6379/0", "must be written %2F"),
