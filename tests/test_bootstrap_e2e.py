@@ -197,6 +197,26 @@ def test_traced_the_prefill_runs_beside_the_decode_and_carries_its_own_failure(
             assert spans["prefill"].attributes["http.response.status_code"] == 503
             assert "http.response.status_code" not in spans["decode"].attributes
             assert spans["POST /v1/completions"].error
+            # And the other way round: the decode engine's failure is the decode span's,
+            # never the prefill's beside it, which was let go.
+            for engine in fleet.decode:
+                engine.configure(fail_status=503)
+            try:
+                with pytest.raises(openai.APIStatusError):
+                    client.completions.create(
+                        model="sim-model",
+                        prompt="u v",
+                        max_tokens=2,
+                        extra_headers={"x-request-id": "decode-failed-1"},
+                    )
+            finally:
+                for engine in fleet.decode:
+                    engine.configure(fail_status=None)
+            spans = {span.name: span for span in receiver.request_trace("decode-failed-1", 4)}
+            assert spans["decode"].error
+            assert spans["decode"].attributes["http.response.status_code"] == 503
+            assert not spans["prefill"].error, spans["prefill"].status_message
+            assert "http.response.status_code" not in spans["prefill"].attributes
 
 
 def test_a_failing_prefill_engine_is_tried_once_more_on_another() -> None:

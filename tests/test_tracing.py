@@ -16,7 +16,7 @@ import pytest
 
 from pd_router.ops.tracing import INSTALL
 from pd_router.sim.fleet import EngineProcess, SimFleet
-from tests.helpers import RawClient, RouterProcess, streamed_text
+from tests.helpers import RawClient, RouterProcess, streamed_text, wait_for
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 # Spans reach the receiver within a tenth of a second instead of the SDK's default 5 s.
@@ -314,6 +314,31 @@ def test_a_client_that_leaves_mid_stream_ends_its_spans(
     assert root.attributes["pd_router.outcome"] == "client_aborted"
     assert decode.error and decode.attributes["pd_router.outcome"] == "client_aborted"
     assert decode.end_ns <= root.end_ns
+    router.assert_idle()
+
+
+def test_a_client_gone_during_prefill_has_its_drain_marked_on_the_decode_span(
+    router: RouterProcess, sims: SimFleet, receiver: OtlpReceiver
+) -> None:
+    """The client hangs up while its prefill runs: the router still hands the KV to the
+    decode engine, in a one-token request only to free it, and that decode span says so
+    (``pd_router.drain``); a served request's decode span does not."""
+    client_for(router).with_options(default_headers={"X-Request-Id": "kept-1"}).completions.create(
+        model="sim-model", prompt="stay", max_tokens=2
+    )
+    for engine in sims.prefill:
+        engine.configure(prefill_delay=1)
+    body = {"model": "sim-model", "prompt": "leave during prefill", "max_tokens": 40}
+    leaver = RawClient(router.url, "/v1/completions", body, ["X-Request-Id: drained-1"])
+    wait_for(lambda: sum(e.stats()["active"] for e in sims.prefill) == 1, what="the prefill")
+    leaver.hang_up()
+    spans = by_name(receiver.request_trace("drained-1", 4))
+    [root], [decode] = spans["POST /v1/completions"], spans["decode"]
+    assert root.attributes["pd_router.outcome"] == "client_aborted"
+    assert decode.attributes.get("pd_router.drain") is True, decode.attributes
+    [kept] = by_name(receiver.request_trace("kept-1", 4))["decode"]
+    assert "pd_router.drain" not in kept.attributes
+    wait_for(lambda: router.in_use() == 0, what="the drain's slot")
     router.assert_idle()
 
 
