@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from pd_router.sim.fleet import SimFleet, free_port
+from pd_router.sim.fleet import EngineProcess, SimFleet, free_port
 from tests.helpers import RouterProcess, wait_for
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 SGLANG = ["--dialect", "sglang"]
 
@@ -181,38 +181,34 @@ def test_traced_the_prefill_runs_beside_the_decode_and_carries_its_own_failure(
             assert beside.parent_span_id == decode.parent_span_id == root.span_id
             assert beside.start_ns <= decode.start_ns <= beside.end_ns <= root.end_ns
             assert not any(span.error for span in spans.values())
-            prefill.configure(fail_status=503)
-            try:
-                with pytest.raises(openai.APIStatusError):
-                    client.completions.create(
-                        model="sim-model",
-                        prompt="x y",
-                        max_tokens=2,
-                        extra_headers={"x-request-id": "failed-1"},
-                    )
-            finally:
-                prefill.configure(fail_status=None)
-            spans = {span.name: span for span in receiver.request_trace("failed-1", 5)}
+
+            def failed_on(
+                engines: list[EngineProcess], request_id: str, count: int
+            ) -> dict[str, ReceivedSpan]:
+                """The spans of a request while ``engines`` answer 503."""
+                for engine in engines:
+                    engine.configure(fail_status=503)
+                try:
+                    with pytest.raises(openai.APIStatusError):
+                        client.completions.create(
+                            model="sim-model",
+                            prompt=request_id,
+                            max_tokens=2,
+                            extra_headers={"x-request-id": request_id},
+                        )
+                finally:
+                    for engine in engines:
+                        engine.configure(fail_status=None)
+                return {span.name: span for span in receiver.request_trace(request_id, count)}
+
+            spans = failed_on([prefill], "failed-1", 5)
             assert spans["prefill"].error
             assert spans["prefill"].attributes["http.response.status_code"] == 503
             assert "http.response.status_code" not in spans["decode"].attributes
             assert spans["POST /v1/completions"].error
             # And the other way round: the decode engine's failure is the decode span's,
             # never the prefill's beside it, which was let go.
-            for engine in fleet.decode:
-                engine.configure(fail_status=503)
-            try:
-                with pytest.raises(openai.APIStatusError):
-                    client.completions.create(
-                        model="sim-model",
-                        prompt="u v",
-                        max_tokens=2,
-                        extra_headers={"x-request-id": "decode-failed-1"},
-                    )
-            finally:
-                for engine in fleet.decode:
-                    engine.configure(fail_status=None)
-            spans = {span.name: span for span in receiver.request_trace("decode-failed-1", 4)}
+            spans = failed_on(fleet.decode, "decode-failed-1", 4)
             assert spans["decode"].error
             assert spans["decode"].attributes["http.response.status_code"] == 503
             assert not spans["prefill"].error, spans["prefill"].status_message
