@@ -147,7 +147,7 @@ def _dns_server(text: str) -> tuple[str, int]:
         host, port = host.split(":")
     try:
         ipaddress.ip_address(host)
-        number = int(port)
+        number = whole(port) or 0
     except ValueError:
         number = 0
     if not 1 <= number <= 65535:

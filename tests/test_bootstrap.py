@@ -86,6 +86,23 @@ def sglang_router(upstream: ScriptedUpstream, **kwargs: Any) -> Router:
     return router
 
 
+def test_a_request_over_the_sequence_bound_is_refused_before_it_is_admitted() -> None:
+    """Refused as the relay is made, before the fleet registers the request: nothing to
+    leave behind (a request registered and never run would keep its id taken)."""
+    router = sglang_router(ScriptedUpstream())
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 1025}
+    with pytest.raises(BadRequest):
+        Relay(router, "chat", body, "too-many")
+    assert router.fleet.requests == {}
+    prompts = {**BODY, "prompt": ["a"] * (bootstrap.MAX_SEQUENCES + 1)}
+    with pytest.raises(BadRequest):
+        Relay(router, "completions", prompts, "too-many")
+    assert router.fleet.requests == {}
+    # vLLM's dialect hands a batch to the decode engine whole: no room, no bound.
+    router.settings.dialect = "vllm"
+    assert Relay(router, "chat", body, "many").request_id in router.fleet.requests
+
+
 def sent_to(upstream: ScriptedUpstream, origin: str) -> list[dict[str, Any]]:
     return [body for url, body in upstream.sent if url.startswith(origin)]
 

@@ -93,12 +93,13 @@ def test_a_request_for_more_sequences_than_rooms_are_given_is_refused_and_nothin
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="sim-model", prompt=["a b"] * 1025, max_tokens=1)
         assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "prompt"
-        assert fleet.prefill[0].stats()["requests"] == 0
+        assert [engine.stats()["requests"] for engine in fleet.engines] == [0, 0, 0]
         answer = client.completions.create(model="sim-model", prompt="a b", max_tokens=2)
         assert answer.choices[0].text == " a b"
         router.assert_idle()
         metrics = router.metrics()
         assert metrics["pd_router_requests_total{endpoint=chat,outcome=bad_request}"] == 1
+        assert metrics["pd_router_requests_total{endpoint=completions,outcome=bad_request}"] == 1
 
 
 def test_a_failing_prefill_fails_its_request_at_once_not_at_the_decode_timeout(

@@ -450,6 +450,10 @@ def test_dns_names_beside_static_nodes_and_from_every_source(tmp_path: Path) -> 
             None,
             "argument --dns-server: expected an IP address",
         ),
+        # ASCII digits only, as every port (int() took each of these as 53).
+        (["--dns-server", "10.0.0.1:+53"], {}, None, "argument --dns-server: expected an IP"),
+        (["--dns-server", "10.0.0.1:5_3"], {}, None, "argument --dns-server: expected an IP"),
+        (["--dns-server", "10.0.0.1:\u0665\u0663"], {}, None, "argument --dns-server: expected"),
     ],
 )
 def test_bad_dns_settings_are_refused_naming_the_setting(

@@ -46,10 +46,10 @@ sessions, a hot document's questions), a session goes only to a node with at mos
 ``BURST_SLACK`` more prefills in flight than the least busy one (on the nodes holding
 the most of its prompt only those behind its opening count), not behind the opening's
 computation if that takes ``HOT_WAIT`` longer than computing the whole prompt on the
-least busy node, and the share term copies the opening to more nodes as the counts
-require. Once it is not hot, its holders take its sessions, the work waiting there in
-the cost, and the share term may level the counts among them but not copy it elsewhere
-(a rarely asked document is computed once).
+node with the least work waiting among those, and the share term copies the opening to
+more nodes as the counts require. Once it is not hot, its holders take its sessions,
+the work waiting there in the cost, and the share term may level the counts among them
+but not copy it elsewhere (a rarely asked document is computed once).
 Ties go to the node given the fewest recent prefills, then to the node the prompt's first
 chunk beyond the tied nodes' shared holdings ranks first by rendezvous hashing, which
 spreads new conversations alike on every router.
@@ -132,11 +132,12 @@ CONT_BAND = 2.0
 BURST_SLACK = 1
 # Nor, while its opening is hot, to queue behind the opening's computation (``_soon``)
 # where its prefill would be done later than (1 + HOT_WAIT) x computing the whole
-# prompt on the least busy node, in tokens of work: a session placed a moment after
-# another behind it waits for all of it, then its own part. That saves a copy of the
-# opening, worth it for a document's question (1,000 tokens, then its own 30 and a
-# prefill's PREFILL_TOKENS: 6% later than computing them all on an idle node), not for
-# a new conversation's first turn (400 tokens, then its own 42: 17% later). Each node's
+# prompt on the node with the least work waiting (of those the burst bound leaves), in
+# tokens of work: a session placed a moment after another behind it waits for all of
+# it, then its own part. That saves a copy of the opening, worth it for a document's
+# question (``route_replay.py``'s shapes, a word a token: 1,000, then its own 30 and a
+# prefill's PREFILL_TOKENS, 6% later than computing them all on an idle node), not for a
+# new conversation's first turn (400, then its own 42: 17% later). Each node's
 # first session computes the opening alone under any policy that uses every node, round
 # robin included, so those pairs were the first wave's slowest requests:
 # ``route_replay.py --rtt 0.008`` gave completions a TTFT p99 above round_robin's on 11

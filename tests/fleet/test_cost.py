@@ -127,7 +127,7 @@ def test_a_burst_of_new_conversations_behind_one_opening_is_bounded_per_node() -
 
 
 def test_a_new_session_does_not_queue_behind_a_hot_opening_if_computing_it_is_sooner() -> None:
-    """A burst of new conversations behind a 400-token opening no node held, nothing
+    """A burst of new conversations behind a 400-word opening no node held, nothing
     released: the first two share a node (the second waits for the opening there), the
     third goes to another node (the burst bound), which computes the opening again. The
     fourth would wait there for the whole opening, then its own 40 words and a prefill's
@@ -135,7 +135,7 @@ def test_a_new_session_does_not_queue_behind_a_hot_opening_if_computing_it_is_so
     it goes to an idle node. Before, the burst bound let it pair with the third (one more
     in flight than the least busy node), each node's second session a moment after its
     first, the first wave's slowest requests: the completions shape's TTFT p99 was 1.06 x
-    round_robin's. Questions on a 1,000-token document, whose own part is short beside
+    round_robin's. Questions on a 1,000-word document, whose own part is short beside
     it, pair all the same: waiting for the document is sooner than computing a copy."""
 
     def first_turn(opening: str, conversation: int, words: int) -> Prompt:
