@@ -575,10 +575,11 @@ class Relay:
             await self._drain(node, prefilled)  # the client gone or not
         if self.client_gone:
             return
-        # The engines have all they need from the request: a long prompt is not held for
-        # as long as its answer streams.
-        self.body = {}
-        prefilled.forget()
+        if self.router.settings.dialect != "sglang":
+            # In SGLang's dialect the prefill engine may yet fail before the client's
+            # answer begins, and the request go to another (``_serve_bootstrapped``):
+            # there it is let go only once that answer begins (``_relay_events``).
+            self._let_go(prefilled)
         try:
             if answer.status != 200:
                 raise await answer.error()
@@ -599,6 +600,12 @@ class Relay:
                 fleet.kv.placed(node.id, node.role, node.url, prompt)
         self.router.fleet.served(node)
         self.outcome = "ok"
+
+    def _let_go(self, prefilled: handshake.Prefilled) -> None:
+        """The engines have all they need from the request: a long prompt is not held for
+        as long as its answer streams."""
+        self.body = {}
+        prefilled.forget()
 
     async def _drain(self, node: Node, prefilled: handshake.Prefilled) -> None:
         """The decode engine refused what the prefill engine computed (a ``max_tokens`` over
@@ -941,6 +948,8 @@ class Relay:
                     # Headers go out with the first event, not before: the client sees
                     # both in one wake-up, and an engine failing before its first event
                     # still gets the client a real error status, not a 200 and an event.
+                    # Nothing is sent again from now on.
+                    self._let_go(prefilled)
                     await client.start_events()
                 if events.done:
                     # End the client's response with [DONE] itself: clients (the openai

@@ -568,6 +568,62 @@ async def test_the_decode_request_of_a_failed_attempt_is_closed_before_the_retry
 
 
 @pytest.mark.anyio
+async def test_a_retry_after_the_decode_engine_answered_sends_the_whole_request_again() -> None:
+    """The decode engine's error head came first (one that can take no KV answers so when
+    its prefill engine died mid-prefill), then the prefill engine's failure: the request
+    goes to another prefill node whole. Before, the relay had let go of the body at the
+    decode engine's answer head, both engines were sent the bootstrap fields alone, and
+    the client got the decode engine's 400 ("prompt must be a string...") as its own."""
+    upstream = ScriptedUpstream()
+    upstream.status["http://prefill0"] = 503
+    decode_answered, prefill_failed = anyio.Event(), anyio.Event()
+    post = upstream.post
+
+    async def first_decode_answer_fails(url: str, body: Any, *args: Any, **kwargs: Any) -> Any:
+        response = await post(url, body, *args, **kwargs)
+        if url.startswith("http://decode") and not decode_answered.is_set():
+            response.status = 500
+            error = response.error
+
+            async def error_once_the_prefill_failed() -> UpstreamError:
+                await prefill_failed.wait()
+                await anyio.lowlevel.checkpoint()
+                return await error()
+
+            response.error = error_once_the_prefill_failed
+            decode_answered.set()
+        return response
+
+    second = anyio.Event()
+
+    async def prefill0_fails_after_the_decode_answer() -> None:
+        if upstream.sent[-1][0].startswith("http://prefill0"):
+            await decode_answered.wait()
+            prefill_failed.set()
+        else:
+            second.set()
+
+    async def the_second_decode_takes_the_second_room() -> None:
+        if decode_answered.is_set():
+            await second.wait()
+
+    upstream.post = first_decode_answer_fails  # type: ignore[method-assign]
+    upstream.prefill_headers = prefill0_fails_after_the_decode_answer
+    upstream.decode_headers = the_second_decode_takes_the_second_room
+    router = sglang_router(upstream, prefills=2)
+    with anyio.fail_after(10):
+        client = await served(router, dict(BODY))
+    assert client.messages[0]["status"] == 200, client.messages
+    (again,) = sent_to(upstream, "http://prefill1")
+    decoded = sent_to(upstream, "http://decode")
+    assert len(decoded) == 2 and decoded[1]["bootstrap_room"] == again["bootstrap_room"]
+    for sent in (again, decoded[1]):
+        assert {key: sent[key] for key in BODY} == BODY, sent
+    assert outcomes(router) == {("completions", "ok"): 1}
+    assert router.fleet.pool.in_use == 0 and router.fleet.bindings == {}
+
+
+@pytest.mark.anyio
 async def test_a_prefill_that_refuses_the_request_is_not_tried_on_another_node() -> None:
     """A 4xx is the client's request, not the engine's fault: not worth another node."""
     upstream = ScriptedUpstream()
