@@ -578,7 +578,8 @@ class Relay:
         if self.router.settings.dialect != "sglang":
             # In SGLang's dialect the prefill engine may yet fail before the client's
             # answer begins, and the request go to another (``_serve_bootstrapped``):
-            # there it is let go only once that answer begins (``_relay_events``).
+            # there it is let go only as a streamed answer begins (``_relay_events``); a
+            # whole answer is read before the client gets any of it, then the request ends.
             self._let_go(prefilled)
         try:
             if answer.status != 200:

@@ -390,18 +390,12 @@ class Cost(Prefix):
         mean = sum(counts.get(node.id, 0) for node in live) / len(live)
         inflight = self._inflight
         depth = max(helds)
-        uncached = [
-            max(prompt.tokens - view.cached(node.id, prompt, held), 0)
-            for node, held in zip(live, helds)
-        ]
-        queued = [
-            waiting.get(node.id, 0) + PREFILL_TOKENS * inflight.get(node.id, 0) for node in live
-        ]
         # Whether the share term may pull the prompt to a node (a continuation: never);
         # for a new session behind an opening that is not hot, the least it may cost a
         # node not holding the most of the prompt: the most it costs a holder, so that
         # it levels the counts among the holders but does not copy the opening elsewhere.
         pull = True
+        hot = False
         floor: float | None = None
         if any(self._continues(node.id, held, chunks) for node, held in zip(live, helds)):
             band = CONT_SLACK * mean + CONT_BAND
@@ -412,10 +406,9 @@ class Cost(Prefix):
         else:
             band = SHARE_SLACK * mean + SHARE_BAND
             if self._hot(chunks, helds, depth):
+                hot = True
                 least = min(inflight.get(node.id, 0) for node in live)
-                first = chunks[0] if chunks else 0
-                keep = self._bounded(live, helds, first, least + BURST_SLACK)
-                keep = self._soon(live, keep, first, uncached, queued, prompt.tokens)
+                keep = self._bounded(live, helds, chunks[0] if chunks else 0, least + BURST_SLACK)
             else:
                 keep = list(range(len(live)))
                 floor = max(
@@ -423,6 +416,18 @@ class Cost(Prefix):
                     for node, held in zip(live, helds)
                     if held == depth
                 )
+        # What each node left would compute, and the work waiting there: for those only.
+        uncached = {
+            i: max(prompt.tokens - view.cached(live[i].id, prompt, helds[i]), 0) for i in keep
+        }
+        queued = {
+            i: waiting.get(live[i].id, 0) + PREFILL_TOKENS * inflight.get(live[i].id, 0)
+            for i in keep
+        }
+        if hot:
+            keep = self._soon(
+                live, keep, chunks[0] if chunks else 0, uncached, queued, prompt.tokens
+            )
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
@@ -493,19 +498,21 @@ class Cost(Prefix):
         live: list[Node],
         keep: list[int],
         first: int,
-        uncached: list[int],
-        queued: list[int],
+        uncached: dict[int, int],
+        queued: dict[int, int],
         tokens: int,
     ) -> list[int]:
         """Of the nodes ``keep`` indexes, those where a new session behind a hot opening
         would not queue behind the opening's computation (prefills behind its first chunk
         in flight there) to have its prefill done more than ``HOT_WAIT`` later than
-        computing the whole prompt on the least busy of them would (what it would compute
-        there, and the work waiting there). A node computing other prompts qualifies
-        whatever it has waiting: that work is in the cost, and leaving the holder of a hot
-        document for it copies the document (the RAG shape's share of the ceiling fell
-        from 96.7% to 93.3-95.0% in ``routing_bench.py`` when they were left too). The
-        least busy node always qualifies: it computes at most the whole prompt."""
+        computing the whole prompt on the one of them with the least work waiting would
+        (what it would compute there, and the work waiting there). A node computing other
+        prompts qualifies whatever it has waiting: that work is in the cost, and leaving
+        the holder of a hot document for it copies the document (the RAG shape's share of
+        the ceiling fell from 96.7% to 93.3-95.0% in ``routing_bench.py`` when they were
+        left too). The
+        node with the least work waiting always qualifies: it computes at most the whole
+        prompt."""
         behind = self._behind
         fresh = (1 + HOT_WAIT) * (tokens + min(queued[i] for i in keep))
         return [
