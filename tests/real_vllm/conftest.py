@@ -52,6 +52,10 @@ KV_LEASE = 300
 # connections after 4 s, before the engine does; a long stall of this machine could still
 # let the engine close one the router is about to reuse, so the engines wait longer here.
 ENGINE_KEEP_ALIVE = 75
+# vLLM renders a chat's template in a thread and answers 500 if that takes more than 30 s
+# (``VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT``): a CI run met it during a 130 s stall of this
+# machine (kernel: workqueue lockups on both vCPUs), on one chat of the 16 sent at once.
+CHAT_TEMPLATE_RENDER_TIMEOUT = 300
 # The pair runs with vLLM's --api-key, so every /v1/ request needs it (its /health and
 # /metrics do not): the routers of the suite send it with --engine-api-key, and one test
 # shows what a wrong one does. It costs no engine start of its own.
@@ -66,6 +70,28 @@ WORKER = "PYTEST_XDIST_WORKER"
 # first NIXL handshake timed out, and the rerun's router process stalled before it could
 # answer.
 RERUNS = 2
+# The words of the tests' prompts (``prompt``).
+WORDS = (
+    "router prefill decode engine block cache key value token stream lease slot queue "
+    "pull transfer loopback handshake greedy batch prompt answer usage metric abort"
+).split()
+# What makes this run's prompts its own: a test run again (``pytest-rerunfailures``) must
+# find none of its prompts cached, on either engine, as its first run did. A CI run reran
+# the 16-request test after a stall had failed it: the decode engine found the first run's
+# prompts in its own cache and pulled 264 of 1,672 tokens, so both reruns failed too.
+_run = {"salt": ""}
+
+
+@pytest.fixture(autouse=True)
+def _prompts_of_their_own() -> None:
+    _run["salt"] = os.urandom(3).hex()
+
+
+def prompt(tag: str, words: int = 12) -> str:
+    """A prompt of its own for each tag and run of a test: no prefix shared with another
+    test's prompts, or with an earlier run's."""
+    tag = f"{tag}-{_run['salt']}"
+    return " ".join([tag] + [WORDS[(i * 7 + len(tag)) % len(WORDS)] for i in range(words)])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -147,6 +173,7 @@ def vllm_pair(
         # Dev mode: /reset_prefix_cache, which the KV events test clears the cache with.
         extra_env={
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE),
+            "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": str(CHAT_TEMPLATE_RENDER_TIMEOUT),
             "VLLM_SERVER_DEV_MODE": "1",
         },
         spare_prefills=int(spare),

@@ -22,14 +22,14 @@ import openai
 import pytest
 
 from tests.helpers import RouterProcess
-from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY
+from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY, prompt
 from tests.real_vllm.engines import VllmPair
 from tests.real_vllm.test_real_vllm import (
+    ATTEMPTS,
     MODEL,
     REPLY_TOKENS,
     SETTLE,
     client_for,
-    prompt,
     router_for,
     warm_handshake,
 )
@@ -128,35 +128,57 @@ def test_the_routers_view_is_what_the_engine_reports_cached_and_follows_a_reset(
     node = f"{url},kv_events={vllm_pair.prefill.kv_events_port}"
     args = ("--prefill-policy", "cost", "--admin-token", ADMIN, "--log-level", "info")
     with router_for(vllm_pair, [node], *args, log_name="router-kv-events.log") as router:
-        tag = os.urandom(3).hex()
-        # ZMQ subscribers join late: warm up with conversations of their own until the
-        # router has heard the engine store blocks (then it knows their size, 32 here).
-        warm = 0
-        while stream_of(router)["block_size"] != BLOCK_SIZE or stream_of(router)["state"] != "live":
-            assert warm < 20, stream_of(router)
-            Conversation(router, f"warm-{tag}-{warm}").turn()
-            warm += 1
-            time.sleep(0.5)
-
-        conversation = Conversation(router, f"events-{tag}")
-        seen: list[tuple[int, int]] = []
-        for turn in range(TURNS):
-            batches = stream_of(router)["seq"]
-            cached, line = conversation.turn()
-            seen.append((cached, int(line["predicted_cached"])))
-            if turn:
-                assert line["cache_source"] == "events", (line, stream_of(router))
-                assert int(line["predicted_cached"]) == cached > 0, seen
-            # The engine publishes the turn's blocks as it computes it: heard before the next.
-            until(lambda: stream_of(router)["seq"] != batches, "the turn's events")
-
-        reset_prefix_cache(url)
-        # vLLM publishes what a step did at its end, a reset's AllBlocksCleared with the next
-        # step's events: another conversation makes the idle engine step.
-        Conversation(router, f"after-reset-{tag}").turn()
-        until(lambda: stream_of(router)["clears"] >= 1, "AllBlocksCleared heard")
-        cached, line = conversation.turn(again=True)
-        seen.append((cached, int(line["predicted_cached"])))
-        print(f"\n(engine cached_tokens, router predicted_cached) by turn: {seen}")
-        assert line["cache_source"] == "events" and int(line["predicted_cached"]) == cached == 0
+        for attempt in range(1, ATTEMPTS + 1):
+            seen = follow_a_conversation(router, url)
+            if seen is not None:
+                break
+            # A fault during the conversation (in CI: a disconnect, the subscriber's 3 s
+            # heartbeat timing out in a 2-minute stall of the whole machine) rightly empties
+            # the router's view: its word is the prediction's until it hears the blocks again.
+            print(f"attempt {attempt}: the stream faulted: {stream_of(router)['last_fault']}")
+        else:
+            pytest.fail(f"the KV event stream faulted in each of {ATTEMPTS} conversations")
+        print(f"\n(engine cached_tokens, router predicted_cached, router's source) by turn: {seen}")
+        turns = seen[1:TURNS]
+        assert all(
+            source == "events" and predicted == cached > 0 for cached, predicted, source in turns
+        ), seen
+        # After the reset: the engine found nothing, and the router said so from its events.
+        assert seen[-1] == (0, 0, "events"), seen
         router.assert_idle()
+
+
+def follow_a_conversation(router: RouterProcess, engine: str) -> list[tuple[int, int, str]] | None:
+    """A conversation's turns, a reset of the engine's prefix cache, and its last turn once
+    more, through ``router`` to the prefill engine at ``engine``: each turn's
+    ``cached_tokens`` by the engine, and the router's prediction and its source. None if
+    the router's event stream faulted meanwhile."""
+    tag = os.urandom(3).hex()
+    # ZMQ subscribers join late: warm up with conversations of their own until the
+    # router has heard the engine store blocks (then it knows their size, 32 here).
+    warm = 0
+    while stream_of(router)["block_size"] != BLOCK_SIZE or stream_of(router)["state"] != "live":
+        assert warm < 20, stream_of(router)
+        Conversation(router, f"warm-{tag}-{warm}").turn()
+        warm += 1
+        time.sleep(0.5)
+
+    faults = sum(stream_of(router)["faults"].values())
+    conversation = Conversation(router, f"events-{tag}")
+    seen: list[tuple[int, int, str]] = []
+    for _ in range(TURNS):
+        batches = stream_of(router)["seq"]
+        cached, line = conversation.turn()
+        seen.append((cached, int(line["predicted_cached"]), line["cache_source"]))
+        # The engine publishes the turn's blocks as it computes it: heard before the next.
+        until(lambda: stream_of(router)["seq"] != batches, "the turn's events")
+
+    reset_prefix_cache(engine)
+    # vLLM publishes what a step did at its end, a reset's AllBlocksCleared with the next
+    # step's events: another conversation makes the idle engine step.
+    clears = stream_of(router)["clears"]
+    Conversation(router, f"after-reset-{tag}").turn()
+    until(lambda: stream_of(router)["clears"] > clears, "AllBlocksCleared heard")
+    cached, line = conversation.turn(again=True)
+    seen.append((cached, int(line["predicted_cached"]), line["cache_source"]))
+    return seen if sum(stream_of(router)["faults"].values()) == faults else None

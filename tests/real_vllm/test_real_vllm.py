@@ -45,7 +45,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import RawClient, RouterProcess, wait_for
-from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY, KV_LEASE
+from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY, KV_LEASE, prompt
 from tests.real_vllm.engines import VllmPair, decode_body, http_get, prefill_body
 
 pytestmark = pytest.mark.real_vllm
@@ -67,10 +67,6 @@ SETTLE = 60.0
 # Tries of a scenario whose timing the machine can defeat (it is not the router's to miss).
 ATTEMPTS = 3
 
-WORDS = (
-    "router prefill decode engine block cache key value token stream lease slot queue "
-    "pull transfer loopback handshake greedy batch prompt answer usage metric abort"
-).split()
 
 # Sample names on the engines' /metrics (vLLM 0.32).
 XFERS = "vllm:nixl_xfer_time_seconds_count"
@@ -192,11 +188,6 @@ class Engines:
 # --------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------
-
-
-def prompt(tag: str, words: int = 12) -> str:
-    """A prompt of its own for each tag: no prefix shared with another test's prompts."""
-    return " ".join([tag] + [WORDS[(i * 7 + len(tag)) % len(WORDS)] for i in range(words)])
 
 
 @dataclass
