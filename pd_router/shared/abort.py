@@ -20,7 +20,7 @@ import orjson
 
 from pd_router.errors import StateUnavailable
 from pd_router.shared.pool import answered
-from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable
+from pd_router.shared.redis import RETRY, Outage, Redis, RedisError, RedisUnavailable
 
 log = logging.getLogger("pd_router.remote_abort")
 
@@ -61,20 +61,27 @@ class RemoteAborts:
 
     async def run(self) -> None:
         """Hear the other routers' aborts, and the answers to this one's."""
+        outage = Outage(log, "abort channel")
         while True:
             try:
                 async with self.redis.subscribe(CHANNEL, REPLIES + self.router_id) as channel:
+                    outage.subscribed()
                     while True:
                         name, data = await channel.next_message()
-                        message = orjson.loads(data)
+                        try:
+                            message = orjson.loads(data)
+                        except orjson.JSONDecodeError:
+                            # Not a router's: skipped, and the channel kept (an abort
+                            # published while it was made again would be lost).
+                            message = None
                         if not isinstance(message, dict):
                             log.error("abort channel: %r is not an abort; skipped", data[:200])
                         elif name.decode() == CHANNEL:
                             await self._asked(message)
                         else:
                             self._answered(message)
-            except (RedisUnavailable, RedisError, orjson.JSONDecodeError) as exc:
-                log.info("abort channel: %s; subscribing again", exc)
+            except (RedisUnavailable, RedisError) as exc:
+                outage.lost(exc)
                 await anyio.sleep(RETRY)
 
     async def _asked(self, message: dict[str, Any]) -> None:

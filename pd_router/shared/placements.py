@@ -25,7 +25,7 @@ import orjson
 from pd_router.fleet.holdings import Prompt
 from pd_router.fleet.nodes import Node
 from pd_router.fleet.registry import Fleet
-from pd_router.shared.redis import RETRY, Redis, RedisError, RedisUnavailable
+from pd_router.shared.redis import RETRY, Outage, Redis, RedisError, RedisUnavailable
 
 log = logging.getLogger("pd_router.placements")
 
@@ -87,9 +87,11 @@ class SharedPlacements:
                 log.info("placements not shared: %s", exc)
 
     async def _listen(self) -> None:
+        outage = Outage(log, "placements channel")
         while True:
             try:
                 async with self.redis.subscribe(CHANNEL) as channel:
+                    outage.subscribed()
                     while True:
                         _, data = await channel.next_message()
                         if len(data) > MESSAGE_BYTES:
@@ -103,7 +105,7 @@ class SharedPlacements:
                             continue
                         self.heard(message)
             except (RedisUnavailable, RedisError) as exc:
-                log.info("placements channel: %s; subscribing again", exc)
+                outage.lost(exc)
                 await anyio.sleep(RETRY)
 
     def heard(self, message: Any) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
 import select
 import ssl
@@ -63,6 +64,29 @@ MAX_CONNECTIONS = 16
 RETRY = 0.5
 
 Arg = bytes | str | int | float
+
+
+class Outage:
+    """A channel's listener that lost its subscription says so once, and once when it has
+    it again: it tries every ``RETRY`` seconds while Redis is away, and a line a try was
+    two lines a second per listener for as long as Redis stayed down."""
+
+    def __init__(self, log: logging.Logger, channel: str) -> None:
+        self.log = log
+        self.channel = channel
+        self.lost_at: float | None = None
+
+    def lost(self, error: Exception) -> None:
+        if self.lost_at is None:
+            self.lost_at = anyio.current_time()
+            self.log.info("%s: %s; subscribing again", self.channel, error)
+
+    def subscribed(self) -> None:
+        if self.lost_at is not None:
+            down = anyio.current_time() - self.lost_at
+            self.log.info("%s: subscribed again, %.1f s after it was lost", self.channel, down)
+            self.lost_at = None
+
 
 _READABLE = select.POLLIN
 # Elsewhere than on Linux, a close through TLS is seen when the next call reads it.
