@@ -52,6 +52,7 @@ from pd_router.fleet.holdings import DEFAULT_CACHE_TOKENS, KvView
 from pd_router.fleet.keys import KeyLimits
 from pd_router.fleet.nodes import (
     BOOTSTRAP_PORT,
+    MAX_DIGITS,
     MAX_SLOTS,
     HealthPolicy,
     Node,
@@ -95,6 +96,11 @@ def _whole(low: int, high: int | None, rule: str) -> Callable[[str], int]:
     @config.reads_number
     def convert(text: str) -> int:
         value = whole(text)
+        if value is None and text.isascii() and text.isdigit():
+            # Digits all, but more than any count needs: the rule alone would not say why.
+            raise argparse.ArgumentTypeError(
+                f"must be {rule} of at most {MAX_DIGITS} digits, got {text!r}"
+            )
         if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
         return value

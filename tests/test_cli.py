@@ -137,8 +137,15 @@ def marked(mark: str) -> list[int]:
             # More digits than int() reads: argparse's "invalid convert value", before.
             [*ENGINES, "--workers", "0" * 5000 + "1"],
             {},
-            "pd-router: error: argument --workers: must be a whole number >= 1 and <= 64, "
-            f"got '{'0' * 5000}1'",
+            "pd-router: error: argument --workers: must be a whole number >= 1 and <= 64 of "
+            f"at most 18 digits, got '{'0' * 5000}1'",
+        ),
+        (
+            # A number no count reaches: the message names the cap, which is why it is refused.
+            [*ENGINES, "--max-body-bytes", "1" + "0" * 19],
+            {},
+            "pd-router: error: argument --max-body-bytes: must be a whole number >= 1 of at "
+            f"most 18 digits, got '1{'0' * 19}'",
         ),
         (
             [*ENGINES, "--decode-slots", "\u0664"],
