@@ -333,9 +333,11 @@ class SharedFleet:
             await self._adopt()
             if not await self._run(_ADMIN, [self.router_id, str(node.id), state, seen]):
                 await self._sync()
+                # Most often another router's change; also this router's own earlier call
+                # that Redis, paused, carried out after the caller had given up on it.
                 raise Conflict(
-                    f"node {node.id} changed in the shared fleet meanwhile (removed, or added "
-                    "again, through another router): see GET /admin/nodes"
+                    f"node {node.id} changed in the shared fleet since this router last read "
+                    "it (removed, or added again): see GET /admin/nodes"
                 )
             await self._sync()
 

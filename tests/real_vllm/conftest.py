@@ -52,10 +52,6 @@ KV_LEASE = 300
 # connections after 4 s, before the engine does; a long stall of this machine could still
 # let the engine close one the router is about to reuse, so the engines wait longer here.
 ENGINE_KEEP_ALIVE = 75
-# vLLM renders a chat's template in a thread and answers 500 if that takes more than 30 s
-# (``VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT``): a CI run met it during a 130 s stall of this
-# machine (kernel: workqueue lockups on both vCPUs), on one chat of the 16 sent at once.
-CHAT_TEMPLATE_RENDER_TIMEOUT = 300
 # The pair runs with vLLM's --api-key, so every /v1/ request needs it (its /health and
 # /metrics do not): the routers of the suite send it with --engine-api-key, and one test
 # shows what a wrong one does. It costs no engine start of its own.
@@ -173,7 +169,6 @@ def vllm_pair(
         # Dev mode: /reset_prefix_cache, which the KV events test clears the cache with.
         extra_env={
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE),
-            "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": str(CHAT_TEMPLATE_RENDER_TIMEOUT),
             "VLLM_SERVER_DEV_MODE": "1",
         },
         spare_prefills=int(spare),

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
-import shutil
 import signal
 import time
 import urllib.error
@@ -306,7 +306,13 @@ def router_for(
     vllm_pair: VllmPair, prefill: list[str], *args: str, log_name: str = "router.log"
 ) -> Iterator[RouterProcess]:
     """The router under test in front of ``prefill`` and the pair's decode engine; its log
-    is kept in the pair's work dir as ``log_name``."""
+    is kept in the pair's work dir as ``log_name`` (``NAME-2.log``... for a test's rerun:
+    the failed run's stays beside it)."""
+    log_path = None
+    if vllm_pair.work_dir is not None:
+        stem, suffix = os.path.splitext(log_name)
+        names = (log_name, *(f"{stem}-{run}{suffix}" for run in itertools.count(2)))
+        log_path = next(path for n in names if not (path := vllm_pair.work_dir / n).exists())
     # Engine timeouts longer than the machine's stalls (10-40 s measured): a timer that
     # runs out during a stall fires as soon as it ends, whatever the engine did.
     router = RouterProcess(
@@ -320,14 +326,13 @@ def router_for(
         "--handoff-grace", str(HANDOFF_GRACE),
         "--engine-api-key", ENGINE_API_KEY,
         *args,
+        log_path=log_path,
     )  # fmt: skip
     router.start()
     try:
         router.wait_healthy(timeout=120)
         yield router
     finally:
-        if router.log_path is not None and vllm_pair.work_dir is not None:
-            shutil.copy(router.log_path, vllm_pair.work_dir / log_name)
         router.stop()
 
 
