@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -234,6 +235,12 @@ def admin_routes(
         log.info("admin: %s node %s (%s) removed%s", node.role, node.id, node.url, how)
         return _json({"removed": node.id})
 
+    async def list_requests(request: Request) -> Response:
+        now = time.perf_counter()
+        views = [r.view(now) for r in fleet.requests.values() if isinstance(r, Relay)]
+        views.sort(key=lambda view: -view["age_s"])
+        return _json({"requests": views})
+
     async def abort_request(request: Request) -> Response:
         rid = request.path_params["request_id"]
         status, document = abort_here(fleet, rid)
@@ -248,5 +255,6 @@ def admin_routes(
         Route("/admin/nodes", guarded(add_node), methods=["POST"]),
         Route("/admin/nodes/{node_id}/drain", guarded(drain_node), methods=["POST"]),
         Route("/admin/nodes/{node_id}", guarded(remove_node), methods=["DELETE"]),
+        Route("/admin/requests", guarded(list_requests), methods=["GET"]),
         Route("/admin/requests/{request_id}/abort", guarded(abort_request), methods=["POST"]),
     ]

@@ -288,6 +288,32 @@ class Relay:
             )
         logs.request_finished(fields)
 
+    def view(self, now: float) -> dict[str, Any]:
+        """Where the request is now, for ``GET /admin/requests`` (``now``: ``perf_counter``):
+        ``queued`` for a decode slot (or its key's share of them), in ``prefill``, with the
+        ``decode`` engine (computing it, or the KV handed over and no byte of the answer
+        yet), or ``answering`` (the client's answer has begun)."""
+        if self.client.started:
+            phase = "answering"
+        elif self._decode_node is None:
+            phase = "queued"
+        elif self._prefill_seconds is None and not self._local:
+            phase = "prefill"
+        else:
+            phase = "decode"
+        return {
+            "id": self.request_id,
+            "key": self.key_name or None,
+            "endpoint": self.endpoint,
+            "model": self.model[: models.MAX_ID],
+            "stream": self.stream,
+            "phase": phase,
+            "age_s": _rounded(now - self._arrived),
+            "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+            "decode_node": None if self._decode_node is None else self._decode_node.id,
+            "bytes_sent": self.client.bytes_sent,
+        }
+
     def fail(self, error: RouterError) -> None:
         if self._failure is not None or self.client.finished:
             return

@@ -297,6 +297,72 @@ def test_a_queued_request_is_served_when_the_slot_frees(sims: SimFleet) -> None:
 STREAM_40 = {"model": "sim-model", "prompt": "hold the slot", "max_tokens": 40, "stream": True}
 
 
+def test_the_admin_api_lists_the_requests_in_flight_and_where_each_is(sims: SimFleet) -> None:
+    """``GET /admin/requests``: this router's requests, oldest first, each with its phase
+    and nodes. Each phase is held until the test aborts the request (a sim that sleeps
+    60 s), so what is listed is read while it is so, however slow the machine."""
+    admin = {"authorization": "Bearer t0ken"}
+
+    def listed() -> list[dict[str, object]]:
+        answer = httpx.get(f"{router.url}/admin/requests", headers=admin, timeout=10)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["requests"]  # type: ignore[no-any-return]
+
+    def phases() -> list[object]:
+        return [view["phase"] for view in listed()]
+
+    sims.decode[0].configure(itl=0.05)
+    prefill_id, decode_id = 0, 1
+    with single_slot_router(sims, "--queue-timeout", "120", "--admin-token", "t0ken") as router:
+        assert httpx.get(f"{router.url}/admin/requests", timeout=10).status_code == 401
+        assert listed() == []
+        holder = RawClient(router.url, "/v1/completions", {**STREAM_40, "max_tokens": 4000})
+        holder.read_until(b"data: ")
+        waiters = []
+        for name, body in [
+            ("queued", {"model": "sim-model", "prompt": "wait in line", "max_tokens": 4}),
+            ("chat", {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}),
+        ]:
+            path = "/v1/chat/completions" if name == "chat" else "/v1/completions"
+            waiters.append(RawClient(router.url, path, body))
+            wait_for(lambda: len(listed()) == len(waiters) + 1, what=f"{name} listed")
+        first, second, third = listed()
+        assert first["phase"] == "answering" and first["stream"] is True
+        assert (first["prefill_node"], first["decode_node"]) == (prefill_id, decode_id)
+        assert int(first["bytes_sent"]) > 0  # type: ignore[call-overload]
+        for view, endpoint in [(second, "completions"), (third, "chat")]:
+            assert view["phase"] == "queued" and view["endpoint"] == endpoint
+            assert (view["prefill_node"], view["decode_node"], view["stream"]) == (
+                None,
+                None,
+                False,
+            )
+        assert first["age_s"] >= second["age_s"] >= third["age_s"] > 0  # type: ignore[operator]
+        assert (first["key"], first["model"]) == (None, "sim-model")
+
+        # The slot freed: the next in line is in prefill, on both its nodes, until aborted.
+        sims.prefill[0].configure(prefill_delay=60)
+        holder.hang_up()
+        wait_for(lambda: phases() == ["prefill", "queued"], what="the first waiter in prefill")
+        in_prefill = listed()[0]
+        assert in_prefill["id"] == second["id"]
+        assert (in_prefill["prefill_node"], in_prefill["decode_node"]) == (prefill_id, decode_id)
+        abort = f"{router.url}/admin/requests/{second['id']}/abort"
+        assert httpx.post(abort, headers=admin, timeout=10).status_code == 200
+
+        # The last: prefilled at once, then with the decode engine, which waits 60 s.
+        sims.prefill[0].configure(prefill_delay=0)
+        sims.decode[0].configure(ttft=60)
+        wait_for(lambda: phases() == ["decode"], what="the chat with the decode engine")
+        abort = f"{router.url}/admin/requests/{third['id']}/abort"
+        assert httpx.post(abort, headers=admin, timeout=10).status_code == 200
+        wait_for(lambda: listed() == [], what="nothing in flight")
+        for waiter in waiters:  # each got its one terminal error (a JSON body, keep-alive)
+            answer = waiter.read_until(b'"code":"abort"}}', timeout=30)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+        router.assert_idle()
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/admin/nodes"), ("POST", "/admin/nodes/0/drain"), ("GET", "/admin")],
