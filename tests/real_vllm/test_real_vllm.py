@@ -311,7 +311,8 @@ def router_for(
     log_path = None
     if vllm_pair.work_dir is not None:
         stem, suffix = os.path.splitext(log_name)
-        names = (log_name, *(f"{stem}-{run}{suffix}" for run in itertools.count(2)))
+        numbered = (f"{stem}-{run}{suffix}" for run in itertools.count(2))
+        names = itertools.chain([log_name], numbered)
         log_path = next(path for n in names if not (path := vllm_pair.work_dir / n).exists())
     # Engine timeouts longer than the machine's stalls (10-40 s measured): a timer that
     # runs out during a stall fires as soon as it ends, whatever the engine did.
