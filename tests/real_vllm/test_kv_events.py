@@ -25,6 +25,7 @@ from tests.helpers import RouterProcess
 from tests.real_vllm.conftest import BLOCK_SIZE, ENGINE_API_KEY, prompt
 from tests.real_vllm.engines import VllmPair
 from tests.real_vllm.test_real_vllm import (
+    ADMIN_TOKEN,
     ATTEMPTS,
     MODEL,
     REPLY_TOKENS,
@@ -36,7 +37,6 @@ from tests.real_vllm.test_real_vllm import (
 
 pytestmark = pytest.mark.real_vllm
 
-ADMIN = "kv-events-test"
 TURNS = 3
 # A turn's text is at least one 256-byte chunk of the router's (what it links tokens to),
 # and three turns fit the engines' 512 tokens with a last one sent again.
@@ -45,7 +45,7 @@ TURN_WORDS = 34
 
 def stream_of(router: RouterProcess) -> dict[str, Any]:
     answer = httpx.get(
-        f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30
+        f"{router.url}/admin/nodes", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
     )
     node = next(node for node in answer.json()["nodes"] if node["role"] == "prefill")
     return node["kv_events"]  # type: ignore[no-any-return]
@@ -126,7 +126,7 @@ def test_the_routers_view_is_what_the_engine_reports_cached_and_follows_a_reset(
     url = vllm_pair.prefill_url
     warm_handshake(url, vllm_pair.decode_url)
     node = f"{url},kv_events={vllm_pair.prefill.kv_events_port}"
-    args = ("--prefill-policy", "cost", "--admin-token", ADMIN, "--log-level", "info")
+    args = ("--prefill-policy", "cost", "--log-level", "info")
     with router_for(vllm_pair, [node], *args, log_name="router-kv-events.log") as router:
         for attempt in range(1, ATTEMPTS + 1):
             seen = follow_a_conversation(router, url)

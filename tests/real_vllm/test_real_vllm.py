@@ -54,6 +54,8 @@ MODEL = "tiny"
 # Greedy, a fixed number of tokens, and the token ids in the answer (vLLM extensions).
 EXTRA_BODY = {"ignore_eos": True, "return_token_ids": True}
 HANDOFF_GRACE = 5.0  # the router's default --handoff-grace
+# The admin API of the routers under test: a failed test prints what was in flight.
+ADMIN_TOKEN = "real-vllm-admin"
 LONG = 400  # max_tokens that take seconds to generate (max-model-len is 512)
 # max_tokens of the stream that outlives the prefill engine: long enough that a stall of a few
 # seconds between its first tokens and the kill does not let it end first
@@ -319,6 +321,7 @@ def router_for(
     router = RouterProcess(
         prefill,
         [vllm_pair.decode_url],
+        "--admin-token", ADMIN_TOKEN,
         "--decode-slots", "16",
         "--queue-timeout", "60",
         "--connect-timeout", "60",
@@ -333,6 +336,16 @@ def router_for(
     try:
         router.wait_healthy(timeout=120)
         yield router
+    except BaseException:
+        # Where each request was when the test failed (pytest shows what is printed): a
+        # request stuck in one phase says which side it waits on.
+        with contextlib.suppress(OSError):
+            request = urllib.request.Request(
+                f"{router.url}/admin/requests", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            )
+            with urllib.request.urlopen(request, timeout=10) as answer:  # nosec B310
+                print(f"in flight on the router at the failure: {answer.read().decode()}")
+        raise
     finally:
         router.stop()
 
