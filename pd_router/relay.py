@@ -268,12 +268,12 @@ class Relay:
             "outcome": self.outcome,
             "status": client.status,
             "stream": self.stream,
-            "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
+            "prefill_node": _id(self._prefill_node),
             "prefix_hit": self._prefix_hit,
             "predicted_cached": self._predicted_cached,
             "cache_source": self._cache_source if self._predicted_cached is not None else None,
             "local_prefill": self._local,
-            "decode_node": None if self._decode_node is None else self._decode_node.id,
+            "decode_node": _id(self._decode_node),
             "queued_s": _rounded(self._queued),
             "prefill_s": _rounded(self._prefill_seconds),
             "ttft_s": _rounded(ttft),
@@ -309,8 +309,8 @@ class Relay:
             "stream": self.stream,
             "phase": phase,
             "age_s": _rounded(now - self._arrived),
-            "prefill_node": None if self._prefill_node is None else self._prefill_node.id,
-            "decode_node": None if self._decode_node is None else self._decode_node.id,
+            "prefill_node": _id(self._prefill_node),
+            "decode_node": _id(self._decode_node),
             "bytes_sent": self.client.bytes_sent,
         }
 
@@ -1126,6 +1126,10 @@ def _event_too_large(answer: Response, error: ValueError) -> UpstreamError:
 def _silent(error: Exception) -> bool:
     """An engine that sent nothing for the read timeout."""
     return isinstance(error, UpstreamError) and error.kind == "timeout"
+
+
+def _id(node: Node | None) -> int | None:
+    return None if node is None else node.id
 
 
 def _rounded(seconds: float | None) -> float | None:

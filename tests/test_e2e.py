@@ -354,12 +354,13 @@ def test_the_admin_api_lists_the_requests_in_flight_and_where_each_is(sims: SimF
         in_prefill = listed()[0]
         assert in_prefill["id"] == second["id"]
         assert (in_prefill["prefill_node"], in_prefill["decode_node"]) == (prefill_id, decode_id)
-        abort = f"{router.url}/admin/requests/{second['id']}/abort"
-        assert httpx.post(abort, headers=admin, timeout=10).status_code == 200
-
-        # The last: prefilled at once, then with the decode engine, which waits 60 s.
+        # The last: prefilled at once, then with the decode engine, which waits 60 s. Set
+        # before the abort frees the slot: its prefill may start before a call after it
+        # (the first waiter's 60 s were taken when its prefill began).
         sims.prefill[0].configure(prefill_delay=0)
         sims.decode[0].configure(ttft=60)
+        abort = f"{router.url}/admin/requests/{second['id']}/abort"
+        assert httpx.post(abort, headers=admin, timeout=10).status_code == 200
         wait_for(lambda: phases() == ["decode"], what="the chat with the decode engine")
         abort = f"{router.url}/admin/requests/{third['id']}/abort"
         assert httpx.post(abort, headers=admin, timeout=10).status_code == 200

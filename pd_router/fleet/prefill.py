@@ -396,6 +396,7 @@ class Cost(Prefix):
         # it levels the counts among the holders but does not copy the opening elsewhere.
         pull = True
         hot = False
+        first = chunks[0] if chunks else 0
         floor: float | None = None
         if any(self._continues(node.id, held, chunks) for node, held in zip(live, helds)):
             band = CONT_SLACK * mean + CONT_BAND
@@ -408,7 +409,7 @@ class Cost(Prefix):
             if self._hot(chunks, helds, depth):
                 hot = True
                 least = min(inflight.get(node.id, 0) for node in live)
-                keep = self._bounded(live, helds, chunks[0] if chunks else 0, least + BURST_SLACK)
+                keep = self._bounded(live, helds, first, least + BURST_SLACK)
             else:
                 keep = list(range(len(live)))
                 floor = max(
@@ -425,9 +426,7 @@ class Cost(Prefix):
             for i in keep
         }
         if hot:
-            keep = self._soon(
-                live, keep, chunks[0] if chunks else 0, uncached, queued, prompt.tokens
-            )
+            keep = self._soon(live, keep, first, uncached, queued, prompt.tokens)
         best: list[Node] = []
         best_cost = 0.0
         deepest = 0
@@ -510,9 +509,8 @@ class Cost(Prefix):
         prompts qualifies whatever it has waiting: that work is in the cost, and leaving
         the holder of a hot document for it copies the document (the RAG shape's share of
         the ceiling fell from 96.7% to 93.3-95.0% in ``routing_bench.py`` when they were
-        left too). The
-        node with the least work waiting always qualifies: it computes at most the whole
-        prompt."""
+        left too). The node with the least work waiting always qualifies: it computes at
+        most the whole prompt."""
         behind = self._behind
         fresh = (1 + HOT_WAIT) * (tokens + min(queued[i] for i in keep))
         return [
